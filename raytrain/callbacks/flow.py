@@ -1,0 +1,35 @@
+"""DefaultFlowCallback: turns the logging/eval/save strategies into TrainerControl flags."""
+
+from __future__ import annotations
+
+from .base import TrainerCallback
+
+
+class DefaultFlowCallback(TrainerCallback):
+    """HF's default flow: log, evaluate and save every N steps or each epoch, stop at max_steps."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        step = state.global_step
+        if step == 1 and args.logging_first_step:
+            control.should_log = True
+        if args.logging_strategy == "steps" and state.logging_steps > 0 and step % state.logging_steps == 0:
+            control.should_log = True
+        if args.eval_strategy == "steps" and state.eval_steps > 0 and step % state.eval_steps == 0:
+            control.should_evaluate = True
+        if args.save_strategy == "steps" and state.save_steps > 0 and step % state.save_steps == 0:
+            control.should_save = True
+        if step >= state.max_steps:
+            control.should_training_stop = True
+            # A run with a save strategy always ends with a checkpoint, as in HF.
+            if args.save_strategy not in ("no", "best"):
+                control.should_save = True
+        return control
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        if args.logging_strategy == "epoch":
+            control.should_log = True
+        if args.eval_strategy == "epoch":
+            control.should_evaluate = True
+        if args.save_strategy == "epoch":
+            control.should_save = True
+        return control

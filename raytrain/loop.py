@@ -1,0 +1,518 @@
+"""WORKER side: train / evaluate / predict for one rank, whatever the backend.
+
+The loop, with every callback event in the order it fires (HF Trainer's order)::
+
+    Trainer.__init__                               -> on_init_end
+    train():
+      restore(checkpoint)                            model, optimizer, scheduler, scaler, RNG,
+                                                     data position, loop accumulators, callbacks
+      on_train_begin
+      for epoch from the restored one:
+        on_epoch_begin
+        for each update step (gradient_accumulation_steps micro-batches):
+          on_step_begin
+          for each micro-batch:
+            training_step: forward, loss * items/items_in_step, backward (no_sync but the last)
+            on_substep_end                           (after every micro-batch but the last)
+          clip -> on_pre_optimizer_step -> optimizer.step -> on_optimizer_step
+          scheduler.step; global_step += 1
+          on_step_end
+          log_evaluate_save:  log -> on_log
+                              evaluate -> on_prediction_step (per batch) -> on_log -> on_evaluate
+                              save -> on_save
+        on_epoch_end
+        log_evaluate_save                            (as above)
+      wait for a background save; load best model (load_best_model_at_end)
+      final metrics -> on_log
+      on_train_end
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import checkpoint as ckpt
+from .data import MapSource, count_items
+from .optim import create_optimizer, create_scheduler, scheduler_needs_metric
+from .state import EvalPrediction, PredictionOutput, TrainerState, TrainOutput
+
+logger = logging.getLogger(__name__)
+
+DATA_STATE = "data_state.json"
+LOOP_STATE = "loop_state.json"
+
+
+class NonFiniteError(RuntimeError):
+    """Too many optimizer steps in a row had non-finite gradients."""
+
+
+@dataclass
+class _Run:
+    """What one rank's training run holds; every piece that must survive a restart is saved."""
+
+    trainer: Any
+    strategy: Any
+    data: MapSource
+    steps_per_epoch: int
+    writer: ckpt.CheckpointWriter | None = None
+    epoch: int = 0
+    next_batch: int = 0
+    tr_loss: torch.Tensor | None = None  # sum of step losses since the last log, on device
+    total_loss: float = 0.0               # sum of step losses of logged intervals, for train_loss
+    last_logged: int = 0
+    last_saved: int = -1
+    grad_norm: torch.Tensor | None = None
+    nonfinite: list[int] = field(default_factory=list)
+    skipped_steps: int = 0
+
+
+# ---------------------------------------------------------------- train
+
+
+def train(trainer, resume_from_checkpoint=None, trial=None) -> TrainOutput:
+    run = _setup(trainer)
+    args, state, cb = trainer.args, trainer.state, trainer.callback_handler
+    path = _resolve_resume(trainer, resume_from_checkpoint)
+    if path:
+        _restore(run, path)
+    start, start_step = time.perf_counter(), state.global_step
+    trainer.control = cb.on_train_begin(args, state, trainer.control)
+    while state.global_step < state.max_steps and not trainer.control.should_training_stop:
+        trainer.control = cb.on_epoch_begin(args, state, trainer.control)
+        for window in _windows(run):
+            _train_step(run, window)
+            trainer.control = cb.on_step_end(args, state, trainer.control)
+            _log_evaluate_save(run, trial)
+            if trainer.control.should_epoch_stop or trainer.control.should_training_stop:
+                break
+        finished = run.next_batch >= len(run.data)
+        trainer.control = cb.on_epoch_end(args, state, trainer.control)
+        _log_evaluate_save(run, trial, epoch_finished=finished)
+        if finished:
+            run.epoch, run.next_batch = run.epoch + 1, 0
+    if run.writer is not None:
+        run.writer.close()
+    if args.load_best_model_at_end and state.best_model_checkpoint:
+        run.strategy.load_model_state_dict(ckpt.load_weights(state.best_model_checkpoint))
+    metrics = _train_metrics(run, start, start_step)
+    trainer.log(metrics)
+    trainer.control = cb.on_train_end(args, state, trainer.control)
+    return TrainOutput(state.global_step, metrics["train_loss"], metrics)
+
+
+def _setup(trainer) -> _Run:
+    """Strategy, model, optimizer, scheduler, data and a fresh TrainerState for this rank."""
+    args = trainer.args
+    strategy = trainer._get_strategy()
+    opt, sched = trainer.optimizers
+    model, optimizer = strategy.setup(trainer.model, lambda m: create_optimizer(m, args), opt)
+    trainer.model_wrapped, trainer.optimizer = model, optimizer
+    data = MapSource(trainer.train_dataset, args.per_device_train_batch_size,
+                     seed=args.data_seed if args.data_seed is not None else args.seed,
+                     drop_last=args.dataloader_drop_last, rank=strategy.rank,
+                     world_size=strategy.world_size, collate_fn=trainer.data_collator)
+    ga = args.gradient_accumulation_steps
+    steps_per_epoch = max(1, math.ceil(len(data) / ga))
+    if args.max_steps > 0:
+        max_steps = args.max_steps
+        epochs = math.ceil(max_steps / steps_per_epoch)
+    else:
+        max_steps = math.ceil(args.num_train_epochs * steps_per_epoch)
+        epochs = math.ceil(args.num_train_epochs)
+    trainer.lr_scheduler = sched or create_scheduler(optimizer, args, max_steps)
+    cb = trainer.callback_handler
+    cb.model, cb.optimizer, cb.lr_scheduler, cb.train_dataloader = model, optimizer, trainer.lr_scheduler, data
+    log_s, eval_s, save_s = args.resolve_steps(max_steps)
+    trainer.state = TrainerState(
+        max_steps=max_steps, logging_steps=log_s, eval_steps=eval_s, save_steps=save_s,
+        train_batch_size=args.per_device_train_batch_size, num_train_epochs=epochs,
+        is_local_process_zero=strategy.local_rank == 0, is_world_process_zero=strategy.is_main,
+        is_hyper_param_search=trainer._trial_name is not None, trial_name=trainer._trial_name,
+        trial_params=trainer._trial_params,
+    )
+    writer = None
+    if args.save_strategy != "no":
+        if strategy.is_main:
+            os.makedirs(args.output_dir, exist_ok=True)
+        writer = ckpt.CheckpointWriter(args.output_dir, rank=strategy.rank, world_size=strategy.world_size,
+                                       strategy=strategy.name, barrier=strategy.barrier,
+                                       save_async=args.save_async)
+    return _Run(trainer, strategy, data, steps_per_epoch, writer,
+                tr_loss=torch.zeros((), device=strategy.device))
+
+
+def _windows(run: _Run):
+    """The micro-batches of each update step from the current data position to the epoch's end."""
+    ga = run.trainer.args.gradient_accumulation_steps
+    batches = run.data.iter_batches(run.epoch, run.next_batch)
+    while run.next_batch < len(run.data):
+        n = min(ga, len(run.data) - run.next_batch)
+        window = [next(batches) for _ in range(n)]
+        run.next_batch += n
+        yield window
+
+
+def _train_step(run: _Run, window: list[dict]) -> None:
+    trainer, strategy = run.trainer, run.strategy
+    args, state, cb = trainer.args, trainer.state, trainer.callback_handler
+    trainer.control = cb.on_step_begin(args, state, trainer.control)
+    window = [_to_device(b, strategy.device) for b in window]
+    num_items = strategy.all_reduce(sum(count_items(b) for b in window))
+    step_loss = torch.zeros((), device=strategy.device)
+    for i, batch in enumerate(window):
+        last = i == len(window) - 1
+        with (strategy.no_sync() if not last else _null()):
+            step_loss = step_loss + trainer.training_step(trainer.model_wrapped, batch, num_items)
+        if not last:
+            trainer.control = cb.on_substep_end(args, state, trainer.control)
+        state.num_input_tokens_seen += batch["input_ids"].numel() if "input_ids" in batch else 0
+        state.total_flos += trainer.floating_point_ops(batch)
+    run.grad_norm = strategy.clip_grad_norm(args.max_grad_norm)
+    trainer.control = cb.on_pre_optimizer_step(args, state, trainer.control)
+    stepped = strategy.optimizer_step(run.grad_norm)
+    trainer.control = cb.on_optimizer_step(args, state, trainer.control)
+    if not scheduler_needs_metric(trainer.lr_scheduler):
+        trainer.lr_scheduler.step()
+    strategy.zero_grad()
+    state.global_step += 1
+    state.epoch = run.epoch + run.next_batch / len(run.data)
+    _account_nonfinite(run, stepped)
+    # A non-finite step loss must not poison the logged average (logging_nan_inf_filter, as HF).
+    if args.logging_nan_inf_filter:
+        fallback = run.tr_loss / (1 + state.global_step - 1 - run.last_logged)
+        step_loss = torch.where(torch.isfinite(step_loss), step_loss, fallback)
+    run.tr_loss = run.tr_loss + step_loss
+
+
+def _account_nonfinite(run: _Run, stepped: bool) -> None:
+    step = run.trainer.state.global_step
+    if stepped:
+        run.nonfinite.clear()
+        return
+    run.skipped_steps += 1
+    if run.strategy.scaler is not None:
+        return  # fp16 loss scaling skips overflowing steps by design and recovers by itself
+    run.nonfinite.append(step)
+    limit = run.trainer.args.max_nonfinite_steps
+    logger.warning("step %d: non-finite gradients (grad_norm=%s); optimizer step skipped", step,
+                   float(run.grad_norm))
+    if len(run.nonfinite) >= limit:
+        raise NonFiniteError(
+            f"non-finite gradients at steps {', '.join(map(str, run.nonfinite))} ({limit} in a row); "
+            "lower learning_rate, set max_grad_norm, or use bf16; the last checkpoint is unaffected")
+
+
+def _log_evaluate_save(run: _Run, trial, epoch_finished: bool = False) -> None:
+    trainer = run.trainer
+    control, state = trainer.control, trainer.state
+    if control.should_log and state.global_step > run.last_logged:
+        loss = run.strategy.all_reduce(run.tr_loss.detach().clone()).item() / run.strategy.world_size
+        steps = state.global_step - run.last_logged
+        logs = {"loss": loss / steps}
+        if run.grad_norm is not None:
+            logs["grad_norm"] = float(run.grad_norm)
+        logs["learning_rate"] = trainer._get_learning_rate()
+        run.total_loss += loss
+        run.tr_loss.zero_()
+        run.last_logged = state.global_step
+        trainer.log(logs)
+    if control.should_evaluate:
+        metrics = trainer.evaluate()
+        _update_best(trainer, metrics)
+        if trial is not None:
+            trainer._report_to_trial(trial, metrics)
+        if trainer.args.save_strategy == "best":
+            control.should_save = state.best_global_step == state.global_step
+    if trainer.control.should_save:
+        _save(run, epoch_finished)
+        trainer.control = trainer.callback_handler.on_save(trainer.args, state, trainer.control)
+
+
+def _update_best(trainer, metrics: dict) -> None:
+    args, state = trainer.args, trainer.state
+    if scheduler_needs_metric(trainer.lr_scheduler):
+        trainer.lr_scheduler.step(metrics[_metric_key(args.metric_for_best_model or "loss")])
+    if not args.metric_for_best_model:
+        return
+    key = _metric_key(args.metric_for_best_model)
+    if key not in metrics:
+        raise KeyError(f"metric_for_best_model: {key!r} is not among the evaluation metrics "
+                       f"{sorted(metrics)}; pick one of them")
+    value = metrics[key]
+    better = np.greater if args.greater_is_better else np.less
+    if state.best_metric is None or better(value, state.best_metric):
+        state.best_metric, state.best_global_step = float(value), state.global_step
+
+
+def _metric_key(name: str) -> str:
+    return name if name.startswith("eval_") else f"eval_{name}"
+
+
+def _train_metrics(run: _Run, start: float, start_step: int) -> dict:
+    trainer, state = run.trainer, run.trainer.state
+    runtime = time.perf_counter() - start
+    steps = state.global_step - start_step
+    pending = run.strategy.all_reduce(run.tr_loss.detach().clone()).item() / run.strategy.world_size
+    samples = steps * trainer.args.per_device_train_batch_size * trainer.args.gradient_accumulation_steps \
+        * run.strategy.world_size
+    metrics = {
+        "train_runtime": round(runtime, 4),
+        "train_samples_per_second": round(samples / runtime, 3) if runtime > 0 else 0.0,
+        "train_steps_per_second": round(steps / runtime, 3) if runtime > 0 else 0.0,
+        "total_flos": state.total_flos,
+        "train_loss": (run.total_loss + pending) / max(state.global_step, 1),
+    }
+    if run.skipped_steps:
+        metrics["train_skipped_steps"] = run.skipped_steps
+    metrics.update(trainer._memory_metrics("train"))
+    return metrics
+
+
+# ---------------------------------------------------------------- save / resume
+
+
+def _save(run: _Run, epoch_finished: bool) -> None:
+    trainer, strategy, state, args = run.trainer, run.strategy, run.trainer.state, run.trainer.args
+    if run.writer is None or run.last_saved == state.global_step:
+        return  # this step's checkpoint already exists (step-end save followed by epoch-end save)
+    path = ckpt.checkpoint_dir(args.output_dir, state.global_step)
+    if state.best_global_step == state.global_step:
+        state.best_model_checkpoint = path
+    state.stateful_callbacks = trainer.callback_handler.export_states()
+    epoch, nxt = (run.epoch + 1, 0) if epoch_finished else (run.epoch, run.next_batch)
+    rng_name = "rng_state.pth" if strategy.world_size == 1 else f"rng_state_{strategy.rank}.pth"
+    payload = ckpt.CheckpointPayload(pickles={rng_name: _rng_state()},
+                                     sharded_writer=strategy.save_sharded if strategy.has_sharded_state else None)
+    weights = strategy.model_state_dict()  # a collective for sharded backends: every rank calls it
+    if strategy.is_main:
+        payload.weights = weights
+        if not args.save_only_model:
+            opt_state = strategy.optimizer_state_dict()
+            if opt_state is not None:
+                payload.pickles["optimizer.pt"] = opt_state
+            payload.pickles["scheduler.pt"] = trainer.lr_scheduler.state_dict()
+            if strategy.scaler is not None:
+                payload.pickles["scaler.pt"] = strategy.scaler.state_dict()
+        payload.jsons = {
+            "trainer_state.json": state.to_json_string(),
+            "training_args.json": args.to_dict(),
+            DATA_STATE: {"epoch": epoch, "next_batch": nxt, "global_step": state.global_step,
+                         "samples_consumed": nxt * args.per_device_train_batch_size * strategy.world_size,
+                         "gradient_accumulation_steps": args.gradient_accumulation_steps,
+                         **run.data.state()},
+            LOOP_STATE: {"tr_loss": run.tr_loss.item(), "total_loss": run.total_loss,
+                         "last_logged": run.last_logged, "nonfinite": list(run.nonfinite),
+                         "skipped_steps": run.skipped_steps},
+        }
+
+    def rotate(final: str) -> None:
+        ckpt.rotate_checkpoints(args.output_dir, args.save_total_limit, state.best_model_checkpoint, protect=final)
+
+    run.writer.save(state.global_step, payload, after=rotate)
+    run.last_saved = state.global_step
+
+
+def _resolve_resume(trainer, resume) -> str | None:
+    """The checkpoint to continue from, verified; or None for a fresh start (never a silent one)."""
+    args = trainer.args
+    if resume is None or resume is False:
+        existing = ckpt.sorted_checkpoints(args.output_dir)
+        if existing and trainer.strategy_is_main():
+            if not args.overwrite_output_dir:
+                raise FileExistsError(
+                    f"output_dir {args.output_dir} already holds {os.path.basename(existing[-1][1])}; "
+                    "pass resume_from_checkpoint=True to continue it or set overwrite_output_dir "
+                    "to start over (its checkpoints are then deleted)")
+            logger.warning("overwrite_output_dir: deleting %d old checkpoint(s) in %s", len(existing), args.output_dir)
+            for _, p in existing:
+                shutil.rmtree(p)
+        return None
+    if resume is True or resume == "auto":
+        path = ckpt.get_last_checkpoint(args.output_dir)
+        if path is None and resume is True:
+            raise FileNotFoundError(f"resume_from_checkpoint=True: no complete checkpoint in {args.output_dir}")
+        return path
+    ckpt.verify_checkpoint(str(resume))
+    return str(resume)
+
+
+def _restore(run: _Run, path: str) -> None:
+    trainer, strategy, args = run.trainer, run.strategy, run.trainer.args
+    data_state = _read_json(os.path.join(path, DATA_STATE))
+    _check_data_compat(run, data_state, path)
+    strategy.load_model_state_dict(ckpt.load_weights(path))
+    if strategy.has_sharded_state:
+        strategy.load_sharded(path)
+    elif os.path.exists(os.path.join(path, "optimizer.pt")):
+        strategy.load_optimizer_state_dict(ckpt.load_pickle(os.path.join(path, "optimizer.pt")))
+    if os.path.exists(os.path.join(path, "scheduler.pt")):
+        trainer.lr_scheduler.load_state_dict(ckpt.load_pickle(os.path.join(path, "scheduler.pt")))
+    if strategy.scaler is not None and os.path.exists(os.path.join(path, "scaler.pt")):
+        strategy.scaler.load_state_dict(ckpt.load_pickle(os.path.join(path, "scaler.pt")))
+    fresh = trainer.state
+    saved = TrainerState.load_from_json(os.path.join(path, "trainer_state.json"))
+    for name in ("max_steps", "logging_steps", "eval_steps", "save_steps", "train_batch_size",
+                 "num_train_epochs", "is_local_process_zero", "is_world_process_zero",
+                 "is_hyper_param_search", "trial_name", "trial_params"):
+        setattr(saved, name, getattr(fresh, name))
+    trainer.state = saved
+    trainer.callback_handler.restore_states(saved.stateful_callbacks)
+    loop = _read_json(os.path.join(path, LOOP_STATE))
+    run.tr_loss = torch.tensor(loop["tr_loss"], dtype=run.tr_loss.dtype, device=strategy.device)
+    run.total_loss, run.last_logged = loop["total_loss"], loop["last_logged"]
+    run.nonfinite, run.skipped_steps = list(loop["nonfinite"]), loop["skipped_steps"]
+    run.epoch, run.next_batch = data_state["epoch"], data_state["next_batch"]
+    run.last_saved = saved.global_step
+    rng_file = "rng_state.pth" if strategy.world_size == 1 else f"rng_state_{strategy.rank}.pth"
+    rng_path = os.path.join(path, rng_file)
+    if os.path.exists(rng_path):
+        _set_rng_state(ckpt.load_pickle(rng_path))
+    else:
+        logger.warning("%s: no %s (the run had another world size); RNG streams start fresh", path, rng_file)
+    logger.info("resumed from %s at step %d (epoch %d, batch %d)", path, saved.global_step, run.epoch, run.next_batch)
+
+
+def _check_data_compat(run: _Run, saved: dict, path: str) -> None:
+    """Resuming with a different data order or maths fails loudly, or warns when it is harmless."""
+    args, data = run.trainer.args, run.data
+    now = {"num_samples": data.num_samples, "batch_size": data.batch_size,
+           "gradient_accumulation_steps": args.gradient_accumulation_steps, "seed": data.seed}
+    changed = [f"{k} {saved.get(k)} -> {v}" for k, v in now.items() if saved.get(k) != v]
+    if changed:
+        msg = f"{path}: resuming would change the data order or the maths ({'; '.join(changed)})"
+        if not args.ignore_data_skip:
+            raise ValueError(msg + "; restore the original settings or set ignore_data_skip to "
+                             "resume anyway at the start of the saved epoch")
+        logger.warning("%s; ignore_data_skip is set: continuing from the start of epoch %d", msg, saved["epoch"])
+        saved["next_batch"] = 0
+    elif saved.get("world_size") != data.world_size:
+        # Same global batch split over another number of ranks: map the position by samples consumed.
+        global_before = saved["batch_size"] * saved["world_size"]
+        global_now = data.batch_size * data.world_size
+        saved["next_batch"] = saved["next_batch"] * global_before // global_now
+        logger.warning("%s: world size %s -> %s: the data order of the rest of epoch %d changes",
+                       path, saved.get("world_size"), data.world_size, saved["epoch"])
+
+
+def _read_json(path: str) -> dict:
+    import json
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ckpt.CheckpointError(f"{path}: unreadable ({e})") from e
+
+
+def _rng_state() -> dict:
+    np_state = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
+        "cpu": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(_tuplify(state["python"]))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["cpu"])
+    if torch.cuda.is_available() and "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _tuplify(x):
+    return tuple(_tuplify(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+# ---------------------------------------------------------------- evaluate / predict
+
+
+def prediction_loop(trainer, dataset, description: str, metric_key_prefix: str = "eval",
+                    prediction_loss_only: bool = False) -> PredictionOutput:
+    """Run the model over `dataset` on this rank, gather across ranks, compute metrics."""
+    args, strategy = trainer.args, trainer._get_strategy()
+    model = trainer.model_wrapped if trainer.model_wrapped is not None else trainer.model.to(strategy.device)
+    source = MapSource(dataset, args.per_device_eval_batch_size, shuffle=False, rank=strategy.rank,
+                       world_size=strategy.world_size, collate_fn=trainer.data_collator)
+    cb = trainer.callback_handler
+    cb.eval_dataloader = source
+    want_preds = not prediction_loss_only and (trainer.compute_metrics is not None or description == "predict")
+    loss_sum, items, preds, labels = 0.0, 0, [], []
+    start = time.perf_counter()
+    model.eval()
+    for batch in source.iter_batches(0):
+        batch = _to_device(batch, strategy.device)
+        loss, logits, label = trainer.prediction_step(model, batch, prediction_loss_only=not want_preds)
+        n = int(count_items(batch))
+        if loss is not None:
+            loss_sum += float(loss) * n
+            items += n
+        if want_preds and logits is not None:
+            preds.append(logits.detach().float().cpu())
+            if label is not None:
+                labels.append(label.detach().cpu())
+        trainer.control = cb.on_prediction_step(args, trainer.state, trainer.control)
+    runtime = time.perf_counter() - start
+    gathered = strategy.all_gather_object((loss_sum, items, _cat(preds), _cat(labels)))
+    loss_sum = sum(g[0] for g in gathered)
+    items = sum(g[1] for g in gathered)
+    predictions = _cat([g[2] for g in gathered if g[2] is not None])
+    label_ids = _cat([g[3] for g in gathered if g[3] is not None])
+    predictions = predictions.numpy() if predictions is not None else None
+    label_ids = label_ids.numpy() if label_ids is not None else None
+    metrics: dict[str, float] = {}
+    if items:
+        metrics["loss"] = loss_sum / items
+    if trainer.compute_metrics is not None and predictions is not None and label_ids is not None:
+        metrics.update(trainer.compute_metrics(EvalPrediction(predictions, label_ids)))
+    n_samples = source.num_samples
+    metrics.update({"runtime": round(runtime, 4),
+                    "samples_per_second": round(n_samples / runtime, 3) if runtime else 0.0,
+                    "steps_per_second": round(len(source) / runtime, 3) if runtime else 0.0})
+    metrics = {k if k.startswith(f"{metric_key_prefix}_") else f"{metric_key_prefix}_{k}": _py(v)
+               for k, v in metrics.items()}
+    return PredictionOutput(predictions, label_ids, metrics)
+
+
+def _cat(tensors: list) -> torch.Tensor | None:
+    """Concatenate along the batch; sequences of different lengths are padded with -100, as HF does."""
+    tensors = [t for t in tensors if t is not None]
+    if not tensors:
+        return None
+    if tensors[0].dim() >= 2 and len({t.shape[1] for t in tensors}) > 1:
+        width = max(t.shape[1] for t in tensors)
+        tensors = [torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, width - t.shape[1]), value=-100)
+                   for t in tensors]
+    return torch.cat(tensors)
+
+
+def _py(v):
+    return v.item() if isinstance(v, (np.generic, torch.Tensor)) else v
+
+
+def _to_device(batch: dict, device: torch.device) -> dict:
+    if device.type == "cpu":
+        return batch
+    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

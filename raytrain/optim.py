@@ -1,0 +1,256 @@
+"""Optimizer (with weight-decay parameter groups) and every LR schedule.
+
+The schedules reproduce the closed forms of transformers' ``get_scheduler`` so that a
+config ported from Hugging Face trains with the same learning rates. Each schedule is a
+module-level function bound with ``functools.partial``: LambdaLR's state_dict then stays
+picklable and loads into a freshly built scheduler on resume.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import warnings
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.modules.batchnorm import _BatchNorm  # base of BatchNorm1d/2d/3d, SyncBatchNorm, lazy ones
+from torch.optim.lr_scheduler import LambdaLR, LRScheduler, ReduceLROnPlateau
+
+_NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, _BatchNorm)
+
+
+def get_parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Split trainable parameters into a decayed and a non-decayed group.
+
+    Biases, normalization weights and any other parameter with fewer than two dimensions
+    are not decayed (as Hugging Face does): shrinking a scale or an offset towards zero
+    only hurts. Empty groups are left out, since some optimizers reject them.
+    """
+    decay: list[nn.Parameter] = []
+    no_decay: list[nn.Parameter] = []
+    seen: set[int] = set()  # tied weights appear under several modules; keep the first
+    for module in model.modules():
+        for param in module.parameters(recurse=False):
+            if not param.requires_grad or id(param) in seen:
+                continue
+            seen.add(id(param))
+            skip = isinstance(module, _NORM_TYPES) or param.ndim < 2
+            (no_decay if skip else decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [group for group in groups if group["params"]]
+
+
+def create_optimizer(model: nn.Module, args: Any) -> torch.optim.Optimizer:
+    """Build the optimizer named by ``args.optim`` over ``get_parameter_groups``.
+
+    ``args.optim_args`` is merged over the defaults taken from ``args``.
+    """
+    groups = get_parameter_groups(model, args.weight_decay)
+    adam = {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon}
+    choices = {
+        "adamw_torch": (torch.optim.AdamW, adam),
+        "adamw_torch_fused": (torch.optim.AdamW, {**adam, "fused": True}),
+        "sgd": (torch.optim.SGD, {"lr": args.learning_rate, "momentum": 0.0}),
+        # Adafactor has its own beta2 decay and eps pair; tune them through optim_args.
+        "adafactor": (torch.optim.Adafactor, {"lr": args.learning_rate}),
+    }
+    if args.optim not in choices:
+        raise ValueError(f"optim: unknown optimizer {args.optim!r} (valid: {', '.join(choices)})")
+    cls, kwargs = choices[args.optim]
+    extra = dict(args.optim_args or {})
+    _check_keys("optim_args", args.optim, extra, _init_keys(cls))
+    kwargs = {**kwargs, **extra}
+    try:
+        return cls(groups, **kwargs)
+    except RuntimeError as err:
+        if not kwargs.get("fused"):
+            raise
+        # Fused kernels are missing for some devices and combinations; the foreach path is
+        # numerically the same update, only slower.
+        warnings.warn(f"fused AdamW unavailable ({err}); falling back to the default AdamW", stacklevel=2)
+        kwargs.pop("fused")
+        return cls(groups, **kwargs)
+
+
+def get_lr(optimizer: torch.optim.Optimizer) -> float:
+    """The current learning rate of the first parameter group."""
+    return float(optimizer.param_groups[0]["lr"])
+
+
+# ---- schedules: lr multiplier at `step`, the same closed forms as transformers ----
+
+
+def _warmup(step: int, num_warmup_steps: int) -> float:
+    return float(step) / float(max(1, num_warmup_steps))
+
+
+def _linear(step: int, *, num_warmup_steps: int, num_training_steps: int) -> float:
+    if step < num_warmup_steps:
+        return _warmup(step, num_warmup_steps)
+    return max(0.0, float(num_training_steps - step) / float(max(1, num_training_steps - num_warmup_steps)))
+
+
+def _progress(step: int, num_warmup_steps: int, num_training_steps: int) -> float:
+    return float(step - num_warmup_steps) / float(max(1, num_training_steps - num_warmup_steps))
+
+
+def _cosine(step: int, *, num_warmup_steps: int, num_training_steps: int, num_cycles: float) -> float:
+    if step < num_warmup_steps:
+        return _warmup(step, num_warmup_steps)
+    progress = _progress(step, num_warmup_steps, num_training_steps)
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * float(num_cycles) * 2.0 * progress)))
+
+
+def _cosine_with_restarts(step: int, *, num_warmup_steps: int, num_training_steps: int, num_cycles: int) -> float:
+    if step < num_warmup_steps:
+        return _warmup(step, num_warmup_steps)
+    progress = _progress(step, num_warmup_steps, num_training_steps)
+    if progress >= 1.0:
+        return 0.0
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * ((float(num_cycles) * progress) % 1.0))))
+
+
+def _polynomial(
+    step: int, *, num_warmup_steps: int, num_training_steps: int, lr_end: float, power: float, lr_init: float
+) -> float:
+    if step < num_warmup_steps:
+        return _warmup(step, num_warmup_steps)
+    if step > num_training_steps:
+        return lr_end / lr_init  # LambdaLR multiplies by lr_init
+    # max(1, ...) only guards T == w, where transformers divides by zero.
+    remaining = 1 - (step - num_warmup_steps) / max(1, num_training_steps - num_warmup_steps)
+    return ((lr_init - lr_end) * remaining**power + lr_end) / lr_init
+
+
+def _constant(step: int, *, num_warmup_steps: int, num_training_steps: int) -> float:
+    return 1.0  # transformers' "constant" ignores warmup too
+
+
+def _constant_with_warmup(step: int, *, num_warmup_steps: int, num_training_steps: int) -> float:
+    return _warmup(step, num_warmup_steps) if step < num_warmup_steps else 1.0
+
+
+def _inverse_sqrt(step: int, *, num_warmup_steps: int, num_training_steps: int, timescale: int) -> float:
+    if step < num_warmup_steps:
+        return _warmup(step, num_warmup_steps)
+    shift = timescale - num_warmup_steps  # makes the multiplier exactly 1 at the end of warmup
+    return 1.0 / math.sqrt((step + shift) / timescale)
+
+
+_WSD_SHAPES = ("linear", "cosine", "1-sqrt")
+
+
+def _warmup_stable_decay(
+    step: int,
+    *,
+    num_warmup_steps: int,
+    num_training_steps: int,
+    num_stable_steps: int,
+    num_decay_steps: int,
+    warmup_type: str,
+    decay_type: str,
+    min_lr_ratio: float,
+    num_cycles: float,
+) -> float:
+    if step < num_warmup_steps:
+        progress = _warmup(step, num_warmup_steps)
+        if warmup_type == "linear":
+            factor = progress
+        elif warmup_type == "cosine":
+            factor = 0.5 * (1.0 - math.cos(math.pi * progress))
+        else:  # 1-sqrt
+            factor = 1.0 - math.sqrt(1.0 - progress)
+        return max(0.0, factor * (1.0 - min_lr_ratio) + min_lr_ratio)
+    if step < num_warmup_steps + num_stable_steps:
+        return 1.0
+    if step < num_warmup_steps + num_stable_steps + num_decay_steps:
+        progress = float(step - num_warmup_steps - num_stable_steps) / float(max(1, num_decay_steps))
+        if decay_type == "linear":
+            factor = 1.0 - progress
+        elif decay_type == "cosine":
+            factor = 0.5 * (1.0 + math.cos(math.pi * float(num_cycles) * 2.0 * progress))
+        else:  # 1-sqrt
+            factor = 1.0 - math.sqrt(progress)
+        return max(0.0, factor * (1.0 - min_lr_ratio) + min_lr_ratio)
+    return min_lr_ratio
+
+
+# name -> (multiplier, the lr_scheduler_kwargs it accepts with their defaults)
+_SCHEDULES: dict[str, tuple[Any, dict[str, Any]]] = {
+    "linear": (_linear, {}),
+    "cosine": (_cosine, {"num_cycles": 0.5}),
+    "cosine_with_restarts": (_cosine_with_restarts, {"num_cycles": 1}),
+    "polynomial": (_polynomial, {"lr_end": 1e-7, "power": 1.0}),
+    "constant": (_constant, {}),
+    "constant_with_warmup": (_constant_with_warmup, {}),
+    "inverse_sqrt": (_inverse_sqrt, {"timescale": None}),
+    "warmup_stable_decay": (
+        _warmup_stable_decay,
+        {"num_stable_steps": None, "num_decay_steps": None, "warmup_type": "linear",
+         "decay_type": "cosine", "min_lr_ratio": 0.0, "num_cycles": 0.5},
+    ),
+}
+
+
+def create_scheduler(
+    optimizer: torch.optim.Optimizer, args: Any, num_training_steps: int
+) -> LRScheduler | ReduceLROnPlateau:
+    """Build the schedule named by ``args.lr_scheduler_type`` with ``args.lr_scheduler_kwargs``."""
+    name = args.lr_scheduler_type
+    given = dict(args.lr_scheduler_kwargs or {})
+    if name == "reduce_lr_on_plateau":
+        _check_keys("lr_scheduler_kwargs", name, given, _init_keys(ReduceLROnPlateau) - {"optimizer"})
+        return ReduceLROnPlateau(optimizer, **given)
+    if name not in _SCHEDULES:
+        valid = ", ".join([*_SCHEDULES, "reduce_lr_on_plateau"])
+        raise ValueError(f"lr_scheduler_type: unknown schedule {name!r} (valid: {valid})")
+    fn, defaults = _SCHEDULES[name]
+    _check_keys("lr_scheduler_kwargs", name, given, set(defaults))
+    kwargs = {**defaults, **given}
+    warmup = args.get_warmup_steps(num_training_steps)
+    if name == "polynomial":
+        kwargs["lr_init"] = optimizer.defaults["lr"]
+        if not kwargs["lr_init"] > kwargs["lr_end"]:
+            raise ValueError(f"lr_scheduler_kwargs: lr_end ({kwargs['lr_end']}) must be below the learning rate "
+                             f"({kwargs['lr_init']})")
+    elif name == "inverse_sqrt" and kwargs["timescale"] is None:
+        kwargs["timescale"] = warmup or 10_000
+    elif name == "warmup_stable_decay":
+        _resolve_wsd(kwargs, warmup, num_training_steps)
+    lr_lambda = partial(fn, num_warmup_steps=warmup, num_training_steps=num_training_steps, **kwargs)
+    return LambdaLR(optimizer, lr_lambda)
+
+
+def scheduler_needs_metric(scheduler: LRScheduler | ReduceLROnPlateau) -> bool:
+    """True when ``scheduler.step`` must be given an evaluation metric, not called every step."""
+    return isinstance(scheduler, ReduceLROnPlateau)
+
+
+def _resolve_wsd(kwargs: dict[str, Any], warmup: int, total: int) -> None:
+    """Fill in the phase lengths transformers makes the caller give: decay defaults to the
+    rest after a given stable phase, else to the last 10% of training."""
+    for key in ("warmup_type", "decay_type"):
+        if kwargs[key] not in _WSD_SHAPES:
+            raise ValueError(f"lr_scheduler_kwargs: {key} {kwargs[key]!r} is not one of {', '.join(_WSD_SHAPES)}")
+    if kwargs["num_decay_steps"] is None:
+        stable = kwargs["num_stable_steps"]
+        kwargs["num_decay_steps"] = total // 10 if stable is None else total - warmup - stable
+    if kwargs["num_stable_steps"] is None:
+        kwargs["num_stable_steps"] = total - warmup - kwargs["num_decay_steps"]
+    if kwargs["num_stable_steps"] < 0 or kwargs["num_decay_steps"] < 0:
+        raise ValueError(f"lr_scheduler_kwargs: warmup ({warmup}) + num_stable_steps + num_decay_steps "
+                         f"do not fit in {total} training steps")
+
+
+def _init_keys(cls: type) -> set[str]:
+    return set(inspect.signature(cls).parameters) - {"params"}
+
+
+def _check_keys(field: str, name: str, given: dict[str, Any], valid: set[str]) -> None:
+    for key in given:
+        if key not in valid:
+            allowed = ", ".join(sorted(valid)) or "none"
+            raise ValueError(f"{field}: unknown key {key!r} for {name} (valid: {allowed})")
