@@ -81,10 +81,10 @@ class _Run:
 
 def train(trainer, resume_from_checkpoint=None, trial=None) -> TrainOutput:
     run = _setup(trainer)
-    args, state, cb = trainer.args, trainer.state, trainer.callback_handler
     path = _resolve_resume(trainer, resume_from_checkpoint)
     if path:
         _restore(run, path)
+    args, state, cb = trainer.args, trainer.state, trainer.callback_handler
     start, start_step = time.perf_counter(), state.global_step
     trainer.control = cb.on_train_begin(args, state, trainer.control)
     while state.global_step < state.max_steps and not trainer.control.should_training_stop:
