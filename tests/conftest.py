@@ -1,0 +1,33 @@
+"""Shared fixtures. One local Ray cluster serves every Ray test of the session (start-up dominates)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:  # examples/ is imported by import strings ("examples.digits:build_model")
+    sys.path.insert(0, ROOT)
+
+os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """A local Ray cluster for the whole session: 4 logical CPUs on this 2-core machine so that
+    a 2-worker TorchTrainer and its controller fit; the dashboard stays off."""
+    ray = pytest.importorskip("ray")
+    if not ray.is_initialized():
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": {"PYTHONPATH": ROOT, "DS_ACCELERATOR": "cpu"}})
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture
+def digits():
+    from examples.digits import build_datasets
+    return build_datasets()
