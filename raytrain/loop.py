@@ -167,12 +167,17 @@ def _train_step(run: _Run, window: list[dict]) -> None:
     args, state, cb = trainer.args, trainer.state, trainer.callback_handler
     trainer.control = cb.on_step_begin(args, state, trainer.control)
     window = [_to_device(b, strategy.device) for b in window]
-    num_items = strategy.all_reduce(sum(count_items(b) for b in window))
-    step_loss = torch.zeros((), device=strategy.device)
+    num_items = None
+    if len(window) > 1 or strategy.world_size > 1 or trainer._wants_num_items():
+        # Normalise by the items of the whole update step (all micro-batches, all ranks); with one
+        # micro-batch on one rank the weight is exactly 1 and the count is skipped.
+        num_items = strategy.all_reduce(sum(count_items(b) for b in window))
+    step_loss = None
     for i, batch in enumerate(window):
         last = i == len(window) - 1
         with (strategy.no_sync() if not last else _null()):
-            step_loss = step_loss + trainer.training_step(trainer.model_wrapped, batch, num_items)
+            loss = trainer.training_step(trainer.model_wrapped, batch, num_items)
+        step_loss = loss if step_loss is None else step_loss + loss
         if not last:
             trainer.control = cb.on_substep_end(args, state, trainer.control)
         state.num_input_tokens_seen += batch["input_ids"].numel() if "input_ids" in batch else 0
@@ -187,8 +192,9 @@ def _train_step(run: _Run, window: list[dict]) -> None:
     state.global_step += 1
     state.epoch = run.epoch + run.next_batch / len(run.data)
     _account_nonfinite(run, stepped)
-    # A non-finite step loss must not poison the logged average (logging_nan_inf_filter, as HF).
-    if args.logging_nan_inf_filter:
+    # A non-finite loss must not poison the logged average (logging_nan_inf_filter, as HF). Such a
+    # loss always comes with non-finite gradients, so only skipped steps need the on-device check.
+    if args.logging_nan_inf_filter and not stepped:
         fallback = run.tr_loss / (1 + state.global_step - 1 - run.last_logged)
         step_loss = torch.where(torch.isfinite(step_loss), step_loss, fallback)
     run.tr_loss = run.tr_loss + step_loss

@@ -145,7 +145,7 @@ class Trainer:
         if self.compute_loss_func is not None:
             outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
             loss = self.compute_loss_func(outputs, labels, num_items_in_batch)
-        elif num_items_in_batch is not None and _accepts_num_items(model):
+        elif num_items_in_batch is not None and self._wants_num_items():
             outputs = model(**inputs, num_items_in_batch=num_items_in_batch)
             loss = _get_loss(outputs)
         else:
@@ -179,6 +179,12 @@ class Trainer:
         if prediction_loss_only:
             return loss, None, None
         return loss, _get_logits(outputs), labels
+
+    def _wants_num_items(self) -> bool:
+        """Whether the loss needs num_items_in_batch even for a single micro-batch on one rank."""
+        if not hasattr(self, "_wants_items"):
+            self._wants_items = self.compute_loss_func is not None or _accepts_num_items(self.model)
+        return self._wants_items
 
     def floating_point_ops(self, inputs: dict) -> float:
         """HF's estimate: 6 x parameters x tokens (or samples) per training step."""

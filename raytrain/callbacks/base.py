@@ -144,8 +144,18 @@ class CallbackHandler(TrainerCallback):
         control.should_log = False
         return self.call_event("on_log", args, state, control, logs=logs)
 
+    def _listeners(self, event: str) -> list[TrainerCallback]:
+        """Callbacks that override `event` (the others' no-op is skipped: it runs every step)."""
+        key = (event, tuple(map(id, self.callbacks)))
+        cache = self.__dict__.setdefault("_listener_cache", {})
+        if key not in cache:
+            base = getattr(TrainerCallback, event)
+            cache[key] = [cb for cb in self.callbacks
+                          if getattr(type(cb), event, base) is not base or event in vars(cb)]
+        return cache[key]
+
     def call_event(self, event: str, args, state: TrainerState, control: TrainerControl, **kwargs):
-        for cb in self.callbacks:
+        for cb in self._listeners(event):
             result = getattr(cb, event)(
                 args, state, control, model=self.model, optimizer=self.optimizer,
                 lr_scheduler=self.lr_scheduler, train_dataloader=self.train_dataloader,
