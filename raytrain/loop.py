@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from . import checkpoint as ckpt
-from .data import MapSource, count_items
+from .data import MapSource, build_source, cached_source, check_same_schema, count_items, model_inputs
 from .optim import create_optimizer, create_scheduler, scheduler_needs_metric
 from .state import EvalPrediction, PredictionOutput, TrainerState, TrainOutput
 
@@ -117,10 +117,13 @@ def _setup(trainer) -> _Run:
     opt, sched = trainer.optimizers
     model, optimizer = strategy.setup(trainer.model, lambda m: create_optimizer(m, args), opt)
     trainer.model_wrapped, trainer.optimizer = model, optimizer
-    data = MapSource(trainer.train_dataset, args.per_device_train_batch_size,
-                     seed=args.data_seed if args.data_seed is not None else args.seed,
-                     drop_last=args.dataloader_drop_last, rank=strategy.rank,
-                     world_size=strategy.world_size, collate_fn=trainer.data_collator)
+    data = build_source(trainer.train_dataset, args.per_device_train_batch_size,
+                        seed=args.data_seed if args.data_seed is not None else args.seed,
+                        drop_last=args.dataloader_drop_last, rank=strategy.rank,
+                        world_size=strategy.world_size, collate_fn=trainer.data_collator,
+                        columns=model_inputs(trainer.model, training=True), name="train_dataset")
+    if trainer.eval_dataset is not None:  # a mismatched eval set fails now, not at the first evaluation
+        check_same_schema(data, _eval_source(trainer, trainer.eval_dataset))
     ga = args.gradient_accumulation_steps
     steps_per_epoch = max(1, math.ceil(len(data) / ga))
     if args.max_steps > 0:
@@ -222,7 +225,8 @@ def _log_evaluate_save(run: _Run, trial, epoch_finished: bool = False) -> None:
     trainer = run.trainer
     control, state = trainer.control, trainer.state
     if control.should_log and state.global_step > run.last_logged:
-        loss = run.strategy.all_reduce(run.tr_loss.detach().clone()).item() / run.strategy.world_size
+        # Each rank's loss is its share of the step's loss (items / items of all ranks): sum them.
+        loss = run.strategy.all_reduce(run.tr_loss.detach().clone()).item()
         steps = state.global_step - run.last_logged
         logs = {"loss": loss / steps}
         if run.grad_norm is not None:
@@ -232,16 +236,20 @@ def _log_evaluate_save(run: _Run, trial, epoch_finished: bool = False) -> None:
         run.tr_loss.zero_()
         run.last_logged = state.global_step
         trainer.log(logs)
+    metrics = None
     if control.should_evaluate:
         metrics = trainer.evaluate()
         _update_best(trainer, metrics)
-        if trial is not None:
-            trainer._report_to_trial(trial, metrics)
         if trainer.args.save_strategy == "best":
             control.should_save = state.best_global_step == state.global_step
+    saved = None
     if trainer.control.should_save:
-        _save(run, epoch_finished)
+        saved = _save(run, epoch_finished)
         trainer.control = trainer.callback_handler.on_save(trainer.args, state, trainer.control)
+    if trial is not None and metrics is not None:
+        if saved and run.writer is not None:
+            run.writer.wait()  # a search scheduler (PBT) may restore this checkpoint at once
+        trainer._report_to_trial(trial, metrics, saved)
 
 
 def _update_best(trainer, metrics: dict) -> None:
@@ -268,7 +276,7 @@ def _train_metrics(run: _Run, start: float, start_step: int) -> dict:
     trainer, state = run.trainer, run.trainer.state
     runtime = time.perf_counter() - start
     steps = state.global_step - start_step
-    pending = run.strategy.all_reduce(run.tr_loss.detach().clone()).item() / run.strategy.world_size
+    pending = run.strategy.all_reduce(run.tr_loss.detach().clone()).item()  # shares: summed
     samples = steps * trainer.args.per_device_train_batch_size * trainer.args.gradient_accumulation_steps \
         * run.strategy.world_size
     metrics = {
@@ -287,10 +295,10 @@ def _train_metrics(run: _Run, start: float, start_step: int) -> dict:
 # ---------------------------------------------------------------- save / resume
 
 
-def _save(run: _Run, epoch_finished: bool) -> None:
+def _save(run: _Run, epoch_finished: bool) -> str | None:
     trainer, strategy, state, args = run.trainer, run.strategy, run.trainer.state, run.trainer.args
     if run.writer is None or run.last_saved == state.global_step:
-        return  # this step's checkpoint already exists (step-end save followed by epoch-end save)
+        return None  # this step's checkpoint already exists (step-end save followed by epoch-end save)
     path = ckpt.checkpoint_dir(args.output_dir, state.global_step)
     if state.best_global_step == state.global_step:
         state.best_model_checkpoint = path
@@ -318,14 +326,17 @@ def _save(run: _Run, epoch_finished: bool) -> None:
                          **run.data.state()},
             LOOP_STATE: {"tr_loss": run.tr_loss.item(), "total_loss": run.total_loss,
                          "last_logged": run.last_logged, "nonfinite": list(run.nonfinite),
-                         "skipped_steps": run.skipped_steps},
+                         "skipped_steps": run.skipped_steps,
+                         "grad_norm": None if run.grad_norm is None else float(run.grad_norm)},
         }
+    best = state.best_model_checkpoint  # as of this save: a background rotation must not see a later one
 
     def rotate(final: str) -> None:
-        ckpt.rotate_checkpoints(args.output_dir, args.save_total_limit, state.best_model_checkpoint, protect=final)
+        ckpt.rotate_checkpoints(args.output_dir, args.save_total_limit, best, protect=final)
 
     run.writer.save(state.global_step, payload, after=rotate)
     run.last_saved = state.global_step
+    return path
 
 
 def _resolve_resume(trainer, resume) -> str | None:
@@ -345,6 +356,12 @@ def _resolve_resume(trainer, resume) -> str | None:
         return None
     if resume is True or resume == "auto":
         path = ckpt.get_last_checkpoint(args.output_dir)
+        found = ckpt.sorted_checkpoints(args.output_dir)
+        if path is None and found:  # every one is corrupt: starting over would silently lose them
+            raise ckpt.CheckpointError(
+                f"resume_from_checkpoint={resume!r}: none of the {len(found)} checkpoint(s) in {args.output_dir} "
+                "is complete and intact (the warnings above name each bad file); repair one, pass its path, "
+                "or move them away to start over")
         if path is None and resume is True:
             raise FileNotFoundError(f"resume_from_checkpoint=True: no complete checkpoint in {args.output_dir}")
         return path
@@ -353,47 +370,87 @@ def _resolve_resume(trainer, resume) -> str | None:
 
 
 def _restore(run: _Run, path: str) -> None:
-    trainer, strategy, args = run.trainer, run.strategy, run.trainer.args
-    data_state = _read_json(os.path.join(path, DATA_STATE))
+    """Put the run back exactly where checkpoint `path` stood. Every file is read first (a bad one is
+    refused with a CheckpointError naming it), so nothing is changed by a checkpoint that fails."""
+    trainer, strategy = run.trainer, run.strategy
+    file = lambda name: os.path.join(path, name)  # noqa: E731
+    data_state, loop = _read_json(file(DATA_STATE)), _read_json(file(LOOP_STATE))
+    saved = _read_trainer_state(file("trainer_state.json"))
     _check_data_compat(run, data_state, path)
-    strategy.load_model_state_dict(ckpt.load_weights(path))
+    weights = ckpt.load_weights(path)
+    optim = None
+    if not strategy.has_sharded_state:
+        if not os.path.exists(file("optimizer.pt")):
+            raise ckpt.CheckpointError(
+                f"{file('optimizer.pt')}: missing: the checkpoint holds only the model (save_only_model), "
+                "so training cannot continue from it; load it with raytrain.load_weights and start a new run")
+        optim = ckpt.load_pickle(file("optimizer.pt"))
+    sched = ckpt.load_pickle(file("scheduler.pt"))
+    scaler = None
+    if strategy.scaler is not None:
+        if os.path.exists(file("scaler.pt")):
+            scaler = ckpt.load_pickle(file("scaler.pt"))
+        else:
+            logger.warning("%s: no scaler.pt (the run did not use fp16); the fp16 loss scale starts fresh", path)
+    rng_file = "rng_state.pth" if strategy.world_size == 1 else f"rng_state_{strategy.rank}.pth"
+    rng = ckpt.load_pickle(file(rng_file)) if os.path.exists(file(rng_file)) else None
+
+    weights_file = file(ckpt.WEIGHTS if os.path.exists(file(ckpt.WEIGHTS)) else ckpt.WEIGHTS_INDEX)
+    _apply(weights_file, strategy.load_model_state_dict, weights)
     if strategy.has_sharded_state:
         strategy.load_sharded(path)
-    elif os.path.exists(os.path.join(path, "optimizer.pt")):
-        strategy.load_optimizer_state_dict(ckpt.load_pickle(os.path.join(path, "optimizer.pt")))
-    if os.path.exists(os.path.join(path, "scheduler.pt")):
-        trainer.lr_scheduler.load_state_dict(ckpt.load_pickle(os.path.join(path, "scheduler.pt")))
-    if strategy.scaler is not None and os.path.exists(os.path.join(path, "scaler.pt")):
-        strategy.scaler.load_state_dict(ckpt.load_pickle(os.path.join(path, "scaler.pt")))
+    else:
+        _apply(file("optimizer.pt"), strategy.load_optimizer_state_dict, optim)
+    _apply(file("scheduler.pt"), trainer.lr_scheduler.load_state_dict, sched)
+    if scaler is not None:
+        _apply(file("scaler.pt"), strategy.scaler.load_state_dict, scaler)
     fresh = trainer.state
-    saved = TrainerState.load_from_json(os.path.join(path, "trainer_state.json"))
+    if saved.max_steps != fresh.max_steps:
+        logger.warning("%s: max_steps %d -> %d: the learning-rate schedule continues as one of %d steps",
+                       path, saved.max_steps, fresh.max_steps, fresh.max_steps)
     for name in ("max_steps", "logging_steps", "eval_steps", "save_steps", "train_batch_size",
                  "num_train_epochs", "is_local_process_zero", "is_world_process_zero",
                  "is_hyper_param_search", "trial_name", "trial_params"):
         setattr(saved, name, getattr(fresh, name))
     trainer.state = saved
     trainer.callback_handler.restore_states(saved.stateful_callbacks)
-    loop = _read_json(os.path.join(path, LOOP_STATE))
     run.tr_loss = torch.tensor(loop["tr_loss"], dtype=run.tr_loss.dtype, device=strategy.device)
     run.total_loss, run.last_logged = loop["total_loss"], loop["last_logged"]
     run.nonfinite, run.skipped_steps = list(loop["nonfinite"]), loop["skipped_steps"]
+    if loop.get("grad_norm") is not None:  # logged again by an epoch-end log right after resuming
+        run.grad_norm = torch.tensor(loop["grad_norm"], device=strategy.device)
     run.epoch, run.next_batch = data_state["epoch"], data_state["next_batch"]
     run.last_saved = saved.global_step
-    rng_file = "rng_state.pth" if strategy.world_size == 1 else f"rng_state_{strategy.rank}.pth"
-    rng_path = os.path.join(path, rng_file)
-    if os.path.exists(rng_path):
-        _set_rng_state(ckpt.load_pickle(rng_path))
+    if rng is not None:
+        _set_rng_state(rng)
     else:
         logger.warning("%s: no %s (the run had another world size); RNG streams start fresh", path, rng_file)
     logger.info("resumed from %s at step %d (epoch %d, batch %d)", path, saved.global_step, run.epoch, run.next_batch)
+
+
+def _apply(path: str, load: Any, state: Any) -> None:
+    """load(state), with a mismatch (another model or optimizer) reported against the file."""
+    try:
+        load(state)
+    except (RuntimeError, ValueError, KeyError, TypeError) as e:
+        raise ckpt.CheckpointError(f"{path}: does not fit this run ({str(e).strip().splitlines()[0]})") from e
+
+
+def _read_trainer_state(path: str) -> TrainerState:
+    try:
+        return TrainerState.load_from_json(path)
+    except (OSError, ValueError, TypeError) as e:
+        raise ckpt.CheckpointError(f"{path}: unreadable ({e})") from e
 
 
 def _check_data_compat(run: _Run, saved: dict, path: str) -> None:
     """Resuming with a different data order or maths fails loudly, or warns when it is harmless."""
     args, data = run.trainer.args, run.data
     now = {"num_samples": data.num_samples, "batch_size": data.batch_size,
-           "gradient_accumulation_steps": args.gradient_accumulation_steps, "seed": data.seed}
-    changed = [f"{k} {saved.get(k)} -> {v}" for k, v in now.items() if saved.get(k) != v]
+           "gradient_accumulation_steps": args.gradient_accumulation_steps, "seed": data.seed,
+           "drop_last": data.drop_last}
+    now.update({k: v for k, v in data.state().items() if k in ("kind", "shuffle", "buffer_rows", "num_blocks")})
+    changed = [f"{k} {saved.get(k)} -> {v}" for k, v in now.items() if k in saved and saved[k] != v]
     if changed:
         msg = f"{path}: resuming would change the data order or the maths ({'; '.join(changed)})"
         if not args.ignore_data_skip:
@@ -402,12 +459,13 @@ def _check_data_compat(run: _Run, saved: dict, path: str) -> None:
         logger.warning("%s; ignore_data_skip is set: continuing from the start of epoch %d", msg, saved["epoch"])
         saved["next_batch"] = 0
     elif saved.get("world_size") != data.world_size:
-        # Same global batch split over another number of ranks: map the position by samples consumed.
+        # Another number of ranks: the global batch changes; map the position by samples consumed.
         global_before = saved["batch_size"] * saved["world_size"]
         global_now = data.batch_size * data.world_size
         saved["next_batch"] = saved["next_batch"] * global_before // global_now
-        logger.warning("%s: world size %s -> %s: the data order of the rest of epoch %d changes",
-                       path, saved.get("world_size"), data.world_size, saved["epoch"])
+        logger.warning("%s: world size %s -> %s: the global batch changes from %d to %d samples and the "
+                       "data order of the rest of epoch %d changes", path, saved.get("world_size"),
+                       data.world_size, global_before, global_now, saved["epoch"])
 
 
 def _read_json(path: str) -> dict:
@@ -452,8 +510,7 @@ def prediction_loop(trainer, dataset, description: str, metric_key_prefix: str =
     """Run the model over `dataset` on this rank, gather across ranks, compute metrics."""
     args, strategy = trainer.args, trainer._get_strategy()
     model = trainer.model_wrapped if trainer.model_wrapped is not None else trainer.model.to(strategy.device)
-    source = MapSource(dataset, args.per_device_eval_batch_size, shuffle=False, rank=strategy.rank,
-                       world_size=strategy.world_size, collate_fn=trainer.data_collator)
+    source = _eval_source(trainer, dataset)
     cb = trainer.callback_handler
     cb.eval_dataloader = source
     want_preds = not prediction_loss_only and (trainer.compute_metrics is not None or description == "predict")
@@ -463,10 +520,10 @@ def prediction_loop(trainer, dataset, description: str, metric_key_prefix: str =
     for batch in source.iter_batches(0):
         batch = _to_device(batch, strategy.device)
         loss, logits, label = trainer.prediction_step(model, batch, prediction_loss_only=not want_preds)
-        n = int(count_items(batch))
-        if loss is not None:
-            loss_sum += float(loss) * n
-            items += n
+        n = count_items(batch)  # None for a dataset without labels (predict on unlabeled data)
+        if loss is not None and n is not None:
+            loss_sum += float(loss) * int(n)
+            items += int(n)
         if want_preds and logits is not None:
             preds.append(logits.detach().float().cpu())
             if label is not None:
@@ -492,6 +549,15 @@ def prediction_loop(trainer, dataset, description: str, metric_key_prefix: str =
     metrics = {k if k.startswith(f"{metric_key_prefix}_") else f"{metric_key_prefix}_{k}": _py(v)
                for k, v in metrics.items()}
     return PredictionOutput(predictions, label_ids, metrics)
+
+
+def _eval_source(trainer, dataset):
+    """The evaluation source of `dataset`, built (and checked) once per trainer, reused by every evaluation."""
+    args, strategy = trainer.args, trainer._get_strategy()
+    return cached_source(trainer.__dict__.setdefault("_data_sources", {}), dataset, args.per_device_eval_batch_size,
+                         shuffle=False, rank=strategy.rank, world_size=strategy.world_size,
+                         collate_fn=trainer.data_collator, columns=model_inputs(trainer.model, training=False),
+                         name="eval_dataset" if dataset is trainer.eval_dataset else "dataset")
 
 
 def _cat(tensors: list) -> torch.Tensor | None:

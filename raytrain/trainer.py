@@ -121,6 +121,15 @@ class Trainer:
         strategy.barrier()
         return output_dir
 
+    def hyperparameter_search(self, hp_space=None, compute_objective=None, n_trials: int = 20,
+                              direction: str = "minimize", backend: str = "ray", hp_name=None, **kwargs):
+        """Search hyperparameters with Ray Tune + Optuna TPE and ASHA/PBT; returns a BestRun.
+        Needs model_init; see raytrain.tune.hyperparameter_search for the keyword arguments."""
+        if backend != "ray":
+            raise ValueError(f"backend: only 'ray' is supported, got {backend!r}")
+        from .tune import hyperparameter_search
+        return hyperparameter_search(self, hp_space, compute_objective, n_trials, direction, **kwargs)
+
     def add_callback(self, callback) -> None:
         self.callback_handler.add_callback(callback)
 
@@ -198,8 +207,9 @@ class Trainer:
         return 6.0 * self._num_params * n
 
     def call_model_init(self, trial=None) -> torch.nn.Module:
-        n = len(inspect.signature(self.model_init).parameters)
-        model = self.model_init(trial) if n == 1 else self.model_init()
+        positional = [p for p in inspect.signature(self.model_init).parameters.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        model = self.model_init(trial) if len(positional) == 1 else self.model_init()
         if model is None:
             raise ValueError("model_init returned None; it must return an nn.Module")
         return model
@@ -219,10 +229,10 @@ class Trainer:
             return float(self.lr_scheduler.get_last_lr()[0])
         return get_lr(self.optimizer)
 
-    def _report_to_trial(self, trial, metrics: dict) -> None:
+    def _report_to_trial(self, trial, metrics: dict, checkpoint_dir: str | None = None) -> None:
         report = getattr(trial, "report", None)
         if callable(report):
-            report(metrics, self.state.global_step)
+            report(metrics, self.state.global_step, checkpoint_dir)
 
     def _start_memory_tracking(self) -> None:
         if self.args.skip_memory_metrics:
