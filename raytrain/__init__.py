@@ -1,28 +1,38 @@
-"""raytrain: a Hugging Face-style Trainer that runs in one process or on Ray Train workers."""
+"""raytrain: a Hugging Face-style Trainer that runs in one process or on Ray Train workers.
 
-from .args import ConfigError, TrainingArguments
-from .callbacks import (
-    CallbackHandler,
-    DefaultFlowCallback,
-    EarlyStoppingCallback,
-    ExportableState,
-    PrinterCallback,
-    ProgressCallback,
-    TrainerCallback,
-)
-from .checkpoint import CheckpointError, get_last_checkpoint, load_weights, verify_checkpoint
-from .data import default_collate
-from .loop import NonFiniteError
-from .optim import create_optimizer, create_scheduler, get_parameter_groups
-from .state import EvalPrediction, PredictionOutput, TrainerControl, TrainerState, TrainOutput
-from .trainer import Trainer, set_seed
+Names are imported on first use (PEP 562), so `python -m raytrain.run` can reject a bad config
+before torch is even imported.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "args": ["ConfigError", "TrainingArguments"],
+    "callbacks": ["CallbackHandler", "DefaultFlowCallback", "EarlyStoppingCallback", "ExportableState",
+                  "PrinterCallback", "ProgressCallback", "TrainerCallback"],
+    "checkpoint": ["CheckpointError", "get_last_checkpoint", "load_weights", "verify_checkpoint"],
+    "data": ["default_collate"],
+    "loop": ["NonFiniteError"],
+    "optim": ["create_optimizer", "create_scheduler", "get_parameter_groups"],
+    "state": ["EvalPrediction", "PredictionOutput", "TrainerControl", "TrainerState", "TrainOutput"],
+    "trainer": ["Trainer", "set_seed"],
+    "tune": ["BestRun"],
+}
+_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 
 __version__ = "0.1.0"
+__all__ = sorted(_WHERE)
 
-__all__ = [
-    "CallbackHandler", "CheckpointError", "ConfigError", "DefaultFlowCallback", "EarlyStoppingCallback",
-    "EvalPrediction", "ExportableState", "NonFiniteError", "PredictionOutput", "PrinterCallback",
-    "ProgressCallback", "Trainer", "TrainerCallback", "TrainerControl", "TrainerState", "TrainOutput",
-    "TrainingArguments", "create_optimizer", "create_scheduler", "default_collate", "get_last_checkpoint",
-    "get_parameter_groups", "load_weights", "set_seed", "verify_checkpoint",
-]
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'raytrain' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

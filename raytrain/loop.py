@@ -72,6 +72,7 @@ class _Run:
     last_logged: int = 0
     last_saved: int = -1
     grad_norm: torch.Tensor | None = None
+    last_lr: float = 0.0
     nonfinite: list[int] = field(default_factory=list)
     skipped_steps: int = 0
 
@@ -189,6 +190,7 @@ def _train_step(run: _Run, window: list[dict]) -> None:
     trainer.control = cb.on_pre_optimizer_step(args, state, trainer.control)
     stepped = strategy.optimizer_step(run.grad_norm)
     trainer.control = cb.on_optimizer_step(args, state, trainer.control)
+    run.last_lr = trainer._get_learning_rate()  # the rate this step used is the one logged, as HF
     if not scheduler_needs_metric(trainer.lr_scheduler):
         trainer.lr_scheduler.step()
     strategy.zero_grad()
@@ -231,7 +233,7 @@ def _log_evaluate_save(run: _Run, trial, epoch_finished: bool = False) -> None:
         logs = {"loss": loss / steps}
         if run.grad_norm is not None:
             logs["grad_norm"] = float(run.grad_norm)
-        logs["learning_rate"] = trainer._get_learning_rate()
+        logs["learning_rate"] = run.last_lr
         run.total_loss += loss
         run.tr_loss.zero_()
         run.last_logged = state.global_step
@@ -378,13 +380,9 @@ def _restore(run: _Run, path: str) -> None:
     saved = _read_trainer_state(file("trainer_state.json"))
     _check_data_compat(run, data_state, path)
     weights = ckpt.load_weights(path)
-    optim = None
-    if not strategy.has_sharded_state:
-        if not os.path.exists(file("optimizer.pt")):
-            raise ckpt.CheckpointError(
-                f"{file('optimizer.pt')}: missing: the checkpoint holds only the model (save_only_model), "
-                "so training cannot continue from it; load it with raytrain.load_weights and start a new run")
-        optim = ckpt.load_pickle(file("optimizer.pt"))
+    # optimizer.pt, a dcp/ or a deepspeed/ directory, whichever backend wrote it; the strategy re-shards
+    # what it can read and refuses, naming the file, what it cannot (CheckpointError).
+    optim = strategy.read_optimizer_state(path)
     sched = ckpt.load_pickle(file("scheduler.pt"))
     scaler = None
     if strategy.scaler is not None:
@@ -397,10 +395,7 @@ def _restore(run: _Run, path: str) -> None:
 
     weights_file = file(ckpt.WEIGHTS if os.path.exists(file(ckpt.WEIGHTS)) else ckpt.WEIGHTS_INDEX)
     _apply(weights_file, strategy.load_model_state_dict, weights)
-    if strategy.has_sharded_state:
-        strategy.load_sharded(path)
-    else:
-        _apply(file("optimizer.pt"), strategy.load_optimizer_state_dict, optim)
+    _apply(path, strategy.load_optimizer_state, optim)
     _apply(file("scheduler.pt"), trainer.lr_scheduler.load_state_dict, sched)
     if scaler is not None:
         _apply(file("scaler.pt"), strategy.scaler.load_state_dict, scaler)

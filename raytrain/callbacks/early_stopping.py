@@ -19,7 +19,6 @@ class EarlyStoppingCallback(TrainerCallback, ExportableState):
         self.early_stopping_patience = early_stopping_patience
         self.early_stopping_threshold = early_stopping_threshold
         self.early_stopping_patience_counter = 0
-        self.best_metric: float | None = None
 
     def on_train_begin(self, args, state, control, **kwargs):
         if not args.metric_for_best_model:
@@ -36,12 +35,10 @@ class EarlyStoppingCallback(TrainerCallback, ExportableState):
             logger.warning("early stopping: metric %s not in the evaluation metrics %s; not counting",
                            key, sorted(metrics or {}))
             return
+        # As HF: compare with the run's best so far (state.best_metric, updated after this event).
         better = np.greater if args.greater_is_better else np.less
-        if self.best_metric is None or (
-            better(value, self.best_metric)
-            and abs(value - self.best_metric) > self.early_stopping_threshold
-        ):
-            self.best_metric = float(value)
+        best = state.best_metric
+        if best is None or (better(value, best) and abs(value - best) > self.early_stopping_threshold):
             self.early_stopping_patience_counter = 0
         else:
             self.early_stopping_patience_counter += 1
@@ -52,6 +49,5 @@ class EarlyStoppingCallback(TrainerCallback, ExportableState):
         return {
             "args": {"early_stopping_patience": self.early_stopping_patience,
                      "early_stopping_threshold": self.early_stopping_threshold},
-            "attributes": {"early_stopping_patience_counter": self.early_stopping_patience_counter,
-                           "best_metric": self.best_metric},
+            "attributes": {"early_stopping_patience_counter": self.early_stopping_patience_counter},
         }

@@ -6,9 +6,18 @@ The loop calls only these methods, so single-process, DDP, FSDP2 and DeepSpeed r
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
 from typing import Any, Callable
 
 import torch
+
+logger = logging.getLogger(__name__)
+
+#: Where each backend keeps optimizer state inside a checkpoint directory.
+OPTIMIZER_FILE = "optimizer.pt"    # one torch optimizer state_dict (single process, DDP)
+DCP_DIR = "dcp"                    # torch.distributed.checkpoint, sharded by rank (FSDP2)
+DEEPSPEED_DIR = "deepspeed"        # DeepSpeed's own engine checkpoint (ZeRO partitions)
 
 
 class Strategy:
@@ -97,8 +106,9 @@ class Strategy:
         pass
 
     # -- state for checkpoints
-    def model_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The full, consolidated weights on CPU (rank 0; other ranks may get None)."""
+    def model_state_dict(self, all_ranks: bool = False) -> dict[str, torch.Tensor] | None:
+        """The full, consolidated fp32 weights on CPU. A collective for sharded backends: every rank
+        calls it; only rank 0 gets the dict unless `all_ranks` (the others get None)."""
         return {k: v.detach().cpu() for k, v in self.unwrap(self.model).state_dict().items()}
 
     def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
@@ -109,13 +119,39 @@ class Strategy:
         return self.optimizer.state_dict()
 
     def load_optimizer_state_dict(self, state: dict) -> None:
+        """Load a full torch optimizer state_dict (optimizer.pt, as this backend or DDP saves it)."""
         self.optimizer.load_state_dict(state)
 
-    def save_sharded(self, directory: str) -> None:
-        """Backend-sharded state (DCP, DeepSpeed engine); nothing for replicated backends."""
+    def read_optimizer_state(self, path: str) -> Any:
+        """Read the optimizer state of checkpoint `path`, whichever backend wrote it, in a form that
+        `load_optimizer_state` applies; a CheckpointError when this backend cannot use it."""
+        from ..checkpoint import CheckpointError, load_pickle
 
-    def load_sharded(self, directory: str) -> None:
-        pass
+        if os.path.exists(os.path.join(path, OPTIMIZER_FILE)):
+            return (OPTIMIZER_FILE, load_pickle(os.path.join(path, OPTIMIZER_FILE)))
+        if os.path.isdir(os.path.join(path, DCP_DIR)):
+            return (DCP_DIR, _read_dcp_optimizer(self.unwrap(self.model), self.optimizer,
+                                                 os.path.join(path, DCP_DIR)))
+        if os.path.isdir(os.path.join(path, DEEPSPEED_DIR)):
+            raise CheckpointError(
+                f"{os.path.join(path, DEEPSPEED_DIR)}: the optimizer state is DeepSpeed's own (ZeRO partitions), "
+                f"which the {self.name} backend cannot read; resume with distributed.strategy=deepspeed, or start "
+                "a new run from the checkpoint's model.safetensors (weights only)")
+        raise CheckpointError(
+            f"{os.path.join(path, OPTIMIZER_FILE)}: missing: the checkpoint holds only the model (save_only_model), "
+            "so training cannot continue from it; load it with raytrain.load_weights and start a new run")
+
+    def load_optimizer_state(self, state: Any) -> None:
+        """Apply what `read_optimizer_state` returned."""
+        kind, value = state
+        if kind == OPTIMIZER_FILE:
+            self.load_optimizer_state_dict(value)
+        else:
+            _set_optimizer_state(self.unwrap(self.model), self.optimizer, value)
+
+    def save_sharded(self, directory: str) -> None:
+        """Write backend-sharded state (DCP, DeepSpeed engine) into the checkpoint directory, on every
+        rank; `read_optimizer_state` finds it there. Nothing for replicated backends."""
 
     @property
     def has_sharded_state(self) -> bool:
@@ -123,3 +159,77 @@ class Strategy:
 
     def teardown(self) -> None:
         pass
+
+
+class TorchDistributedMixin:
+    """Rank information and collectives over torch.distributed's default process group.
+
+    The group is initialised by whoever started the workers (Ray Train's TorchTrainer, torchrun);
+    LOCAL_RANK comes from the environment both of them set.
+    """
+
+    def _init_distributed(self, args) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError(f"distributed.strategy={args.distributed.strategy}: torch.distributed is not "
+                               "initialised; run with scaling.num_workers > 1 (Ray Train) or under torchrun")
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
+        use_cuda = torch.cuda.is_available() and args.scaling.use_gpu
+        if use_cuda:
+            torch.cuda.set_device(self.local_rank)
+        self.device = torch.device("cuda", self.local_rank) if use_cuda else torch.device("cpu")
+
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """A reduced copy of `tensor` (sum, mean, max or min over ranks)."""
+        import torch.distributed as dist
+
+        ops = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+               "min": dist.ReduceOp.MIN}
+        if op not in ops:
+            raise ValueError(f"all_reduce: op must be one of {sorted(ops)}, got {op!r}")
+        out = torch.as_tensor(tensor).to(self.device, copy=True)
+        dist.all_reduce(out, ops[op])
+        return out / self.world_size if op == "mean" else out
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        import torch.distributed as dist
+
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast_object(self, obj: Any) -> Any:
+        import torch.distributed as dist
+
+        box = [obj if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        import torch.distributed as dist
+
+        if self.device.type == "cuda":
+            dist.barrier(device_ids=[self.device.index])
+        else:
+            dist.barrier()
+
+
+def _read_dcp_optimizer(model: torch.nn.Module, optimizer, directory: str) -> dict:
+    """Optimizer state saved with torch.distributed.checkpoint, re-sharded to this run's layout
+    (DCP maps the saved shards onto whatever the current parameters are: full tensors or DTensors)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    # get_optimizer_state_dict first creates the state tensors of an optimizer that never stepped.
+    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=directory)
+    return state["optimizer"]
+
+
+def _set_optimizer_state(model: torch.nn.Module, optimizer, state: dict) -> None:
+    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+    set_optimizer_state_dict(model, optimizer, state)
+

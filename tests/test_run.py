@@ -1,0 +1,238 @@
+"""The CLI, run as users run it: `python -m raytrain.run` in a subprocess from the repository root."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from raytrain import TrainingArguments, verify_checkpoint
+from raytrain.args import _SECTIONS
+from raytrain.run import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The example's config, shortened from 20 epochs to 4 to keep the suite fast (still > 0.95 accuracy).
+DIGITS = ["--config", "examples/digits.yaml", "--set", "num_train_epochs=4"]
+STEPS = 4 * 45  # 1438 training samples / batch 32 = 45 steps per epoch
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models run fastest on one intra-op thread (no spinning on a busy 2-core machine)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _popen(*argv: str) -> subprocess.Popen:
+    # One intra-op thread: several CLI runs share this machine's cores, and a tiny MLP gains nothing
+    # from more (with 2 threads on 2 busy cores, the digits run is ten times slower).
+    env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "raytrain.run", *argv], cwd=ROOT, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def _wait(p: subprocess.Popen, timeout: float = 300) -> subprocess.CompletedProcess:
+    out, err = p.communicate(timeout=timeout)
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """Every independent CLI run of this module, started at once: each pays torch's import (seconds),
+    so running them side by side keeps the module fast. Tests wait for the one they check."""
+    base = tmp_path_factory.mktemp("cli")
+    out = str(base / "digits")
+    procs = {
+        "digits": _popen(*DIGITS, "--set", f"output_dir={out}"),
+        "help": _popen("--help"),
+        "unknown_field": _popen(*DIGITS, "--set", f"output_dir={base / 'unknown'}", "--set", "learnin_rate=0.1"),
+        "missing_config": _popen("--config", str(base / "nope.yaml")),
+        "bad_factory": _popen(*DIGITS, "--set", f"output_dir={base / 'factory'}",
+                              "--set", "model.factory=examples.digits:no_such_function"),
+    }
+    yield base, procs
+    for p in procs.values():
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
+
+
+def summary_of(proc: subprocess.CompletedProcess) -> dict:
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("summary: ")]
+    assert len(lines) == 1, proc.stdout[-2000:]
+    return json.loads(lines[0][len("summary: "):])
+
+
+def assert_config_error(proc: subprocess.CompletedProcess, message: str) -> None:
+    assert proc.returncode == 2, (proc.returncode, proc.stderr[-2000:])
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines() == [message]
+    assert "summary:" not in proc.stdout
+
+
+def run_main(capsys, *argv: str) -> tuple[int, str, str]:
+    """raytrain.run.main in this process: (exit code, stdout, stderr)."""
+    try:
+        code = main(list(argv))
+    except SystemExit as e:  # argparse exits on its own errors and on --help
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# ---------------------------------------------------------------- configuration errors: exit 2, one line
+
+
+def test_unknown_field_exits_2_with_suggestion(launched):
+    base, procs = launched
+    proc = _wait(procs["unknown_field"])
+    assert_config_error(proc, "error: unknown field 'learnin_rate': did you mean 'learning_rate'?")
+    assert not os.path.exists(base / "unknown")  # nothing was trained or written
+
+
+def test_missing_config_file_exits_2(launched):
+    base, procs = launched
+    missing = str(base / "nope.yaml")
+    assert_config_error(_wait(procs["missing_config"]), f"error: config file not found: {missing!r}")
+
+
+def test_bad_factory_import_string_exits_2(launched):
+    base, procs = launched
+    assert_config_error(_wait(procs["bad_factory"]),
+                        "error: model.factory: module 'examples.digits' has no attribute 'no_such_function'")
+    assert not os.path.exists(base / "factory")
+
+
+def test_help_lists_every_field_and_exits_0(launched):
+    proc = _wait(launched[1]["help"])
+    assert proc.returncode == 0 and proc.stderr == ""
+    out = proc.stdout
+    assert out.startswith("usage: python -m raytrain.run")
+    for name in TrainingArguments.model_fields:
+        if name in _SECTIONS:
+            for leaf in _SECTIONS[name].model_fields:
+                assert f"--set {name}.{leaf}=VALUE" in out, f"{name}.{leaf}"
+        else:
+            assert f"--set {name}=VALUE" in out, name
+    assert "--resume" in out and "--search" in out
+    # help text and defaults ride along
+    line = next(ln for ln in out.splitlines() if "--set learning_rate=VALUE" in ln)
+    assert "peak learning rate" in line and "(default: 5e-05)" in line
+
+
+# The same error paths in this process (no interpreter start-up per case).
+
+
+def test_unknown_field_in_the_yaml_file(tmp_path, capsys):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text(open(os.path.join(ROOT, "examples", "digits.yaml")).read() + "learnin_rate: 0.1\n")
+    code, out, err = run_main(capsys, "--config", str(cfg))
+    assert (code, out, err) == (2, "", "error: unknown field 'learnin_rate': did you mean 'learning_rate'?\n")
+
+
+def test_missing_config_argument_exits_2(capsys):
+    code, _, err = run_main(capsys)
+    assert code == 2 and err == "error: the following arguments are required: --config\n"
+
+
+@pytest.mark.parametrize("factory, message", [
+    ("examples.no_such_module:build_model",
+     "model.factory: cannot import module 'examples.no_such_module' (No module named 'examples.no_such_module')"),
+    ("not an import string",
+     "model.factory: expected an import string 'package.module:function', got 'not an import string'"),
+])
+def test_bad_factory_variants_exit_2(tmp_path, capsys, factory, message):
+    code, out, err = run_main(capsys, *DIGITS, "--set", f"output_dir={tmp_path / 'o'}",
+                              "--set", f"model.factory={factory}")
+    assert (code, out, err) == (2, "", f"error: {message}\n")
+
+
+def test_bad_model_kwargs_exit_2(tmp_path, capsys):
+    code, _, err = run_main(capsys, *DIGITS, "--set", f"output_dir={tmp_path / 'o'}", "--set", "model.widht=3")
+    assert code == 2
+    assert err.startswith("error: model: examples.digits:build_model rejected its arguments (")
+    assert "widht" in err and len(err.splitlines()) == 1
+
+
+def test_resume_from_a_path_that_is_not_a_checkpoint_exits_2(tmp_path, capsys):
+    missing = str(tmp_path / "checkpoint-9")
+    code, _, err = run_main(capsys, *DIGITS, "--set", f"output_dir={tmp_path}", "--resume", missing)
+    assert (code, err) == (2, f"error: --resume: {missing!r} is not a checkpoint directory (or use auto / never)\n")
+
+
+# ---------------------------------------------------------------- the digits example end to end
+
+
+@pytest.fixture(scope="module")
+def digits_run(launched):
+    base, procs = launched
+    return str(base / "digits"), _wait(procs["digits"])
+
+
+@pytest.fixture(scope="module")
+def reruns(digits_run):
+    """After the first run: again with --resume auto, and with --resume never (side by side)."""
+    out, first = digits_run
+    assert first.returncode == 0, first.stderr[-3000:]
+    before = _checkpoint_mtimes(out)
+    auto = _popen(*DIGITS, "--set", f"output_dir={out}", "--resume", "auto")
+    never = _popen(*DIGITS, "--set", f"output_dir={out}", "--resume", "never")
+    return before, _wait(auto), _wait(never)
+
+
+def _checkpoint_mtimes(out: str) -> dict:
+    return {n: os.path.getmtime(os.path.join(out, n)) for n in os.listdir(out) if n.startswith("checkpoint-")}
+
+
+def test_digits_example_end_to_end(digits_run):
+    out, proc = digits_run
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    summary = summary_of(proc)
+    assert summary["global_step"] == STEPS
+    assert summary["eval_accuracy"] >= 0.95
+    assert summary["model"] == os.path.join(out, "final", "model.safetensors")
+
+    # save_total_limit 2 keeps the two newest checkpoints, plus the best one if older
+    steps = sorted(int(n.split("-")[1]) for n in os.listdir(out) if n.startswith("checkpoint-"))
+    assert steps[-2:] == [STEPS - 45, STEPS] and 2 <= len(steps) <= 3 and all(s % 45 == 0 for s in steps)
+    for s in steps:
+        manifest = verify_checkpoint(os.path.join(out, f"checkpoint-{s}"))
+        assert manifest["global_step"] == s and "model.safetensors" in manifest["files"]
+
+    # load_best_model_at_end: the final model is the best checkpoint's
+    best = summary["best_model_checkpoint"]
+    assert os.path.dirname(best) == out and int(best.rsplit("-", 1)[1]) in steps
+    final = load_file(summary["model"])
+    best_weights = load_file(os.path.join(best, "model.safetensors"))
+    assert final.keys() == best_weights.keys() and all(torch.equal(final[k], best_weights[k]) for k in final)
+    from examples.digits import build_model
+    build_model().load_state_dict(final)  # the factory's model loads the file strictly
+
+
+def test_resume_auto_on_a_finished_run_does_no_more_steps(digits_run, reruns):
+    out, first = digits_run
+    before, proc, _ = reruns
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = summary_of(proc)
+    assert summary["global_step"] == STEPS
+    assert summary["eval_accuracy"] == summary_of(first)["eval_accuracy"]
+    assert f"resumed from {out}/checkpoint-{STEPS} at step {STEPS}" in proc.stderr
+    assert not [ln for ln in proc.stderr.splitlines() if ln.startswith("loss=")]  # no training step logged
+    assert _checkpoint_mtimes(out) == before  # no checkpoint written or rotated
+
+
+def test_resume_never_on_a_dir_with_checkpoints_exits_2(digits_run, reruns):
+    out, _ = digits_run
+    proc = reruns[2]
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
+    assert len(lines) == 1 and f"output_dir {out} already holds checkpoint-{STEPS}" in lines[0]
+    assert "summary:" not in proc.stdout
