@@ -64,21 +64,24 @@ def make_case(name: str, steps: int):
     return SmallTransformer, {"input_ids": ids, "labels": ids.roll(-1, dims=1)}, bs
 
 
-def batches_in_order(data: dict, bs: int, seed: int) -> list[dict]:
-    """The exact batches raytrain's sampler yields for epoch 0, pre-built for the hand loop."""
+def batch_order(data: dict, bs: int, seed: int) -> list[torch.Tensor]:
+    """The index batches raytrain's sampler uses for epoch 0: both loops gather the same rows."""
     from raytrain.data import MapSource
-    return list(MapSource(data, bs, seed=seed).iter_batches(0))
+    source = MapSource(data, bs, seed=seed)
+    order = source.order(0)
+    return [source.batch_indices(0, b, order) for b in range(len(source))]
 
 
 def hand_loop(model_cls, data, bs, steps, warmup) -> list[float]:
     torch.manual_seed(0)
     model = model_cls()
-    batches = batches_in_order(data, bs, seed=42)
+    order = batch_order(data, bs, seed=42)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / steps)
     times, last = [], time.perf_counter()
     model.train()
-    for batch in batches[:steps]:
+    for idx in order[:steps]:
+        batch = {k: v[idx] for k, v in data.items()}
         loss = model(**batch)["loss"]
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)

@@ -39,6 +39,8 @@ def get_parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str
             seen.add(id(param))
             skip = isinstance(module, _NORM_TYPES) or param.ndim < 2
             (no_decay if skip else decay).append(param)
+    if weight_decay == 0:  # one group steps faster and is the same maths
+        return [{"params": decay + no_decay, "weight_decay": 0.0}]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [group for group in groups if group["params"]]
 

@@ -168,7 +168,8 @@ class Trainer:
     def training_step(self, model, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
         """Forward and backward for one micro-batch; returns the detached loss (no host sync)."""
         strategy = self._strategy
-        model.train()
+        if not model.training:  # model.train() walks every module: only after an evaluation
+            model.train()
         with strategy.autocast():
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         scale = strategy.world_size if strategy.averages_gradients else 1

@@ -6,6 +6,7 @@ The loop calls only these methods, so single-process, DDP, FSDP2 and DeepSpeed r
 from __future__ import annotations
 
 import contextlib
+import math
 import logging
 import os
 from typing import Any, Callable
@@ -84,7 +85,7 @@ class Strategy:
             self.scaler.step(self.optimizer)
             self.scaler.update()
             return self.scaler.get_scale() >= scale
-        if not bool(torch.isfinite(grad_norm)):
+        if not math.isfinite(grad_norm.item()):
             return False
         self.optimizer.step()
         return True
