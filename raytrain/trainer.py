@@ -7,7 +7,7 @@ import logging
 import os
 import random
 import resource
-from typing import Any, Callable
+from typing import Callable
 
 import numpy as np
 import torch

@@ -31,3 +31,14 @@ def ray_cluster():
 def digits():
     from examples.digits import build_datasets
     return build_datasets()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_thread():
+    """Tiny models run fastest on one intra-op thread (no spinning on a busy 2-core machine)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

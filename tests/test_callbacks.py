@@ -7,39 +7,10 @@ import os
 
 import pytest
 import torch
-from torch import nn
 
-from raytrain import EarlyStoppingCallback, Trainer, TrainerCallback, TrainerState, TrainingArguments
+from tests.tiny import TinyClassifier, args_for, columns
+from raytrain import EarlyStoppingCallback, Trainer, TrainerCallback, TrainerState
 from raytrain.callbacks import EVENTS
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest on one intra-op thread (no spinning on a busy 2-core machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-class TinyClassifier(nn.Module):
-    """4 features -> 3 classes; returns {"loss", "logits"} as HF models do."""
-
-    def __init__(self):
-        super().__init__()
-        self.linear = nn.Linear(4, 3)
-
-    def forward(self, x, labels=None):
-        logits = self.linear(x)
-        out = {"logits": logits}
-        if labels is not None:
-            out["loss"] = nn.functional.cross_entropy(logits, labels)
-        return out
-
-
-def columns(n: int, seed: int = 0) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    return {"x": torch.randn(n, 4, generator=g), "labels": torch.randint(0, 3, (n,), generator=g)}
 
 
 class Recorder(TrainerCallback):
@@ -59,11 +30,6 @@ def _record(name):
 
 for _name in EVENTS:
     setattr(Recorder, _name, _record(_name))
-
-
-def args_for(tmp_path, **kw) -> TrainingArguments:
-    base = dict(output_dir=str(tmp_path / "out"), disable_tqdm=True, report_to="none", seed=0)
-    return TrainingArguments(**{**base, **kw})
 
 
 # ---------------------------------------------------------------- event order

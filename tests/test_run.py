@@ -21,15 +21,6 @@ DIGITS = ["--config", "examples/digits.yaml", "--set", "num_train_epochs=4"]
 STEPS = 4 * 45  # 1438 training samples / batch 32 = 45 steps per epoch
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest on one intra-op thread (no spinning on a busy 2-core machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _popen(*argv: str) -> subprocess.Popen:
     # One intra-op thread: several CLI runs share this machine's cores, and a tiny MLP gains nothing
     # from more (with 2 threads on 2 busy cores, the digits run is ten times slower).

@@ -15,39 +15,8 @@ from safetensors.torch import load_file
 from torch import nn
 
 from examples.digits import DigitsMLP, compute_metrics
-from raytrain import Trainer, TrainerState, TrainingArguments
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest on one intra-op thread (no spinning on a busy 2-core machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-class TinyClassifier(nn.Module):
-    def __init__(self, features: int = 4, classes: int = 3):
-        super().__init__()
-        self.linear = nn.Linear(features, classes)
-
-    def forward(self, x, labels=None):
-        logits = self.linear(x)
-        out = {"logits": logits}
-        if labels is not None:
-            out["loss"] = nn.functional.cross_entropy(logits, labels)
-        return out
-
-
-def columns(n: int, seed: int = 0) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    return {"x": torch.randn(n, 4, generator=g), "labels": torch.randint(0, 3, (n,), generator=g)}
-
-
-def args_for(tmp_path, **kw) -> TrainingArguments:
-    base = dict(output_dir=str(tmp_path / "out"), disable_tqdm=True, report_to="none", seed=0)
-    return TrainingArguments(**{**base, **kw})
+from tests.tiny import TinyClassifier, args_for, columns
+from raytrain import Trainer, TrainerState
 
 
 def weights(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -11,22 +11,13 @@ import torch
 from torch import nn
 
 from examples.digits import DigitsMLP
+from tests import tiny
 from raytrain import NonFiniteError, Trainer, TrainerCallback, TrainingArguments
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run fastest on one intra-op thread (no spinning on a busy 2-core machine)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def args_for(tmp_path, **kw) -> TrainingArguments:
-    base = dict(output_dir=str(tmp_path / "out"), disable_tqdm=True, report_to="none", seed=0,
-                save_strategy="no", optim="sgd", lr_scheduler_type="constant")
-    return TrainingArguments(**{**base, **kw})
+    """Plain SGD at a constant rate, so that updates can be computed by hand."""
+    return tiny.args_for(tmp_path, **{"save_strategy": "no", "optim": "sgd", "lr_scheduler_type": "constant", **kw})
 
 
 def weights(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -1,0 +1,33 @@
+"""Small models and data shared by the tests (no downloads, a few hundred parameters)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from raytrain import TrainingArguments
+
+
+class TinyClassifier(nn.Module):
+    """features -> classes; returns {"loss", "logits"} as HF models do."""
+
+    def __init__(self, features: int = 4, classes: int = 3):
+        super().__init__()
+        self.linear = nn.Linear(features, classes)
+
+    def forward(self, x, labels=None):
+        logits = self.linear(x)
+        out = {"logits": logits}
+        if labels is not None:
+            out["loss"] = nn.functional.cross_entropy(logits, labels)
+        return out
+
+
+def columns(n: int, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"x": torch.randn(n, 4, generator=g), "labels": torch.randint(0, 3, (n,), generator=g)}
+
+
+def args_for(tmp_path, **kw) -> TrainingArguments:
+    base = dict(output_dir=str(tmp_path / "out"), disable_tqdm=True, report_to="none", seed=0)
+    return TrainingArguments(**{**base, **kw})
