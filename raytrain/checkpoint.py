@@ -20,6 +20,7 @@ import shutil
 import struct
 import sys
 import threading
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
@@ -74,18 +75,44 @@ def sha256_file(path: str, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-class _HashingFile:
-    """A binary file opened for writing whose bytes are hashed on the way through; close() fsyncs
-    and returns the manifest entry {"size", "sha256"}. torch.save writes into it like any file."""
+def _start_writeback(f, offset: int, nbytes: int) -> None:
+    """Ask the kernel to start writing this range to disk now (it stays cached), so that the fsync
+    at the end of the file waits for little: disk I/O overlaps the writing and hashing that follow."""
+    if nbytes >= 1 << 20 and hasattr(os, "posix_fadvise"):
+        f.flush()
+        try:
+            os.posix_fadvise(f.fileno(), offset, nbytes, os.POSIX_FADV_DONTNEED)
+        except OSError:
+            pass
 
-    def __init__(self, path: str):
+
+class _HashingFile:
+    """A binary file opened for writing whose bytes are hashed on the way through; close() fsyncs and
+    returns the manifest entry {"size", "sha256"}. torch.save writes into it like any file.
+
+    parallel: a helper thread hashes while the next bytes are written (the buffers are copied, since
+    they may be reused once write returns; at most `_PENDING` wait). Otherwise the hash runs inline,
+    with no copy and no extra thread: the choice of a background save, which should take as little
+    CPU from training as it can."""
+
+    _PENDING = 4
+
+    def __init__(self, path: str, parallel: bool = True):
         self._f = open(path, "wb")
         self._h = hashlib.sha256()
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="raytrain-sha256") if parallel else None
+        self._pending: deque[Future] = deque()
         self.size = 0
 
     def write(self, data) -> int:
+        if self._hasher is None:
+            self._h.update(data)  # releases the GIL on large buffers
+        else:
+            if len(self._pending) >= self._PENDING:
+                self._pending.popleft().result()
+            self._pending.append(self._hasher.submit(self._h.update, bytes(data)))
         n = self._f.write(data)
-        self._h.update(data)  # releases the GIL on large buffers
+        _start_writeback(self._f, self.size, n)
         self.size += n
         return n
 
@@ -93,29 +120,40 @@ class _HashingFile:
         self._f.flush()
 
     def close(self) -> dict:
+        if self._hasher is not None:
+            self._hasher.shutdown(wait=True)
         self._f.flush()
         os.fsync(self._f.fileno())
         self._f.close()
         return {"size": self.size, "sha256": self._h.hexdigest()}
 
 
-def _write_chunks(path: str, chunks: Iterable) -> dict:
-    """Write byte chunks (which must stay alive and unchanged until return) while a helper thread
-    hashes the same memory, so the sha256 costs no second pass; fsync; return the manifest entry."""
+def _write_chunks(path: str, chunks: Iterable, parallel: bool = True) -> dict:
+    """Write byte chunks (which must stay alive and unchanged until return) and hash the same memory,
+    in a helper thread when `parallel`, so the sha256 costs no second pass; fsync; return the
+    manifest entry."""
     h, size = hashlib.sha256(), 0
-    with ThreadPoolExecutor(1, thread_name_prefix="raytrain-sha256") as hasher, open(path, "wb") as f:
-        for chunk in chunks:
-            hasher.submit(h.update, chunk)  # one worker: updates run in order
-            f.write(chunk)
-            size += len(chunk)
-        hasher.shutdown(wait=True)
-        f.flush()
-        os.fsync(f.fileno())
+    hasher = ThreadPoolExecutor(1, thread_name_prefix="raytrain-sha256") if parallel else None
+    try:
+        with open(path, "wb") as f:
+            for chunk in chunks:
+                if hasher is None:
+                    h.update(chunk)
+                else:
+                    hasher.submit(h.update, chunk)  # one worker: updates run in order
+                f.write(chunk)
+                _start_writeback(f, size, len(chunk))
+                size += len(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+    finally:
+        if hasher is not None:
+            hasher.shutdown(wait=True)
     return {"size": size, "sha256": h.hexdigest()}
 
 
-def _save_pickle(obj: Any, path: str) -> dict:
-    f = _HashingFile(path)
+def _save_pickle(obj: Any, path: str, parallel: bool = True) -> dict:
+    f = _HashingFile(path, parallel)
     try:
         torch.save(obj, f)
     finally:
@@ -150,7 +188,8 @@ def _dedupe_shared(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tens
     return out, aliases
 
 
-def _write_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str]) -> dict:
+def _write_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str],
+                       parallel: bool = True) -> dict:
     """The safetensors format (8-byte header length, JSON header, raw little-endian data, largest
     dtypes first so every tensor is aligned), streamed from the tensors' memory and hashed in
     parallel. Anything unusual (a dtype outside the common set) goes through save_file instead."""
@@ -177,10 +216,11 @@ def _write_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: di
             for start in range(0, len(arr), _CHUNK):
                 yield memoryview(arr[start:start + _CHUNK])
 
-    return _write_chunks(path, chunks())
+    return _write_chunks(path, chunks(), parallel)
 
 
-def _write_weights(state: dict[str, torch.Tensor], directory: str, max_shard_bytes: int | None = None) -> dict:
+def _write_weights(state: dict[str, torch.Tensor], directory: str, max_shard_bytes: int | None = None,
+                   parallel: bool = True) -> dict:
     """Write weights as model.safetensors, or above max_shard_bytes as model-0000i-of-0000n.safetensors
     shards plus model.safetensors.index.json; return {file name: manifest entry}."""
     max_shard_bytes = MAX_SHARD_BYTES if max_shard_bytes is None else max_shard_bytes
@@ -188,7 +228,7 @@ def _write_weights(state: dict[str, torch.Tensor], directory: str, max_shard_byt
     meta = {"format": "pt", "aliases": json.dumps(aliases, sort_keys=True)}
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     if total <= max_shard_bytes:
-        return {WEIGHTS: _write_safetensors(tensors, os.path.join(directory, WEIGHTS), meta)}
+        return {WEIGHTS: _write_safetensors(tensors, os.path.join(directory, WEIGHTS), meta, parallel)}
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in tensors.items():
@@ -201,7 +241,7 @@ def _write_weights(state: dict[str, torch.Tensor], directory: str, max_shard_byt
     entries, weight_map = {}, {}
     for i, shard in enumerate(shards, 1):
         fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        entries[fname] = _write_safetensors(shard, os.path.join(directory, fname), meta)
+        entries[fname] = _write_safetensors(shard, os.path.join(directory, fname), meta, parallel)
         weight_map.update({k: fname for k in shard})
     index = {"metadata": {"total_size": total, "aliases": aliases}, "weight_map": weight_map}
     entries[WEIGHTS_INDEX] = _write_json(index, os.path.join(directory, WEIGHTS_INDEX))
@@ -367,10 +407,11 @@ class CheckpointWriter:
 
     def _write(self, step: int, tmp: str, final: str, payload: CheckpointPayload, after=None) -> None:
         entries: dict[str, dict] = {}
+        parallel = self._pool is None  # a background save hashes inline: fewer threads taking CPU
         if payload.weights is not None:
-            entries.update(_write_weights(payload.weights, tmp, self.max_shard_bytes))
+            entries.update(_write_weights(payload.weights, tmp, self.max_shard_bytes, parallel=parallel))
         for name, obj in payload.pickles.items():
-            entries[name] = _save_pickle(obj, os.path.join(tmp, name))
+            entries[name] = _save_pickle(obj, os.path.join(tmp, name), parallel)
         for name, obj in payload.jsons.items():
             entries[name] = _write_json(obj, os.path.join(tmp, name))
         _maybe_pause(tmp, step)

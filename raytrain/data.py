@@ -38,9 +38,14 @@ and in the worker function, the one place that calls Ray Train's worker API::
     loop.train(trainer)    # build_source shards it by (seed, epoch, rank, world size)
 
 Ray's own split (streaming_split) hands blocks to whichever worker asks first, so membership would
-depend on timing, and it cannot resume mid-epoch (ray#48224): we split ourselves. Every other input
-(dict, Table, torch Dataset, paths, Files) goes to the workers in the train-loop config as it is, and
-each worker calls build_source on it; file inputs are then read by each worker from shared storage.
+depend on timing, and it cannot resume mid-epoch (ray#48224): we split ourselves, and a split shard
+is refused with an error naming the fix. Each worker then holds all rows of a Ray Dataset in memory;
+call `ds.materialize()` on the driver first when its preprocessing is costly, so that it runs once
+and workers only fetch blocks. Every other input (dict, Table, torch Dataset, paths, Files) can
+travel in the train-loop config as it is (each worker calls build_source on it; files are read by
+each worker from shared storage). Data larger than a worker's memory: Parquet files via Files.
+
+Files, Arrow conversion and the streaming reader live in data_files.py.
 """
 
 from __future__ import annotations
@@ -364,6 +369,9 @@ class Files:
       metadata is at most in_memory_bytes, else streamed (Parquet only). The choice depends only on
       the data and these settings, so a resumed run picks the same.
     buffer_bytes: a stream's shuffle window, in bytes of uncompressed rows (memory ~ 2 windows).
+    prefetch_batches: windows are always loaded one ahead in a background thread (reading, decoding
+      and preprocess); > 0 also assembles (and collates) that many batches ahead in another thread,
+      which pays only for a slow collate_fn: a thread hand-off costs more than gathering a batch.
     """
 
     path: str | Sequence[str]
@@ -372,7 +380,7 @@ class Files:
     stream: bool | None = None
     in_memory_bytes: int = 1 << 30
     buffer_bytes: int = 64 << 20
-    prefetch_batches: int = 2
+    prefetch_batches: int = 0
 
 
 def build_source(data: Any, batch_size: int, *, seed: int = 0, shuffle: bool = True, drop_last: bool = False,
@@ -418,12 +426,17 @@ def ray_to_columns(data: Any, name: str = "dataset") -> Columns:
     import ray.data
 
     from .data_files import table_to_numpy
+    what = "ray Dataset"
+    if isinstance(data, ray.data.DataIterator):
+        base = getattr(data, "_base_dataset", None)  # a whole dataset's iterator; a split has none
+        if base is None:
+            raise DataError(f"{name}: this ray DataIterator is one worker's split ({type(data).__name__}), whose "
+                            "rows depend on timing; give TorchTrainer dataset_config=trainer_datasets(...)[1] so "
+                            "every worker gets all rows and raytrain shards them deterministically")
+        data, what = base, "ray DataIterator"
     if isinstance(data, ray.data.Dataset):
         data = ray.data.Dataset.copy(data, _deep_copy=True)
         data.context.execution_options.preserve_order = True
-        what = "ray Dataset"
-    elif isinstance(data, ray.data.DataIterator):
-        what = "ray DataIterator"
     else:
         raise DataError(f"{name}: a {type(data).__name__} is not accepted; pass a ray.data.Dataset")
     tables = list(data.iter_batches(batch_size=None, batch_format="pyarrow"))

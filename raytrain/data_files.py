@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import glob
 import os
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
@@ -86,7 +86,7 @@ def column_to_numpy(col, key: str, name: str, where: str) -> np.ndarray:
     if isinstance(col, pa.ChunkedArray):
         if col.num_chunks == 1:
             col = col.chunk(0)
-        elif isinstance(col.type, pa.ExtensionType):
+        elif isinstance(col.type, pa.BaseExtensionType):
             parts = [_array_to_numpy(c) for c in col.chunks]
             return np.concatenate(parts) if parts else np.empty(0)
         else:
@@ -97,7 +97,7 @@ def column_to_numpy(col, key: str, name: str, where: str) -> np.ndarray:
 def _array_to_numpy(arr) -> np.ndarray:
     import pyarrow as pa
     t = arr.type
-    if isinstance(t, pa.ExtensionType):
+    if isinstance(t, pa.BaseExtensionType):
         if hasattr(arr, "to_numpy_ndarray"):  # pyarrow's fixed_shape_tensor, Ray's ArrowTensorType
             return np.asarray(arr.to_numpy_ndarray())
         return arr.to_numpy(zero_copy_only=False)
@@ -299,6 +299,8 @@ class StreamSource:
         self.num_windows = max(1, self.num_samples // self.window_rows)
         self._chunk_rows = int(max(1, min(65536, spec.buffer_bytes // 8 // row_bytes)))
         self._files: dict[str, Any] = {}
+        self._ahead: tuple[tuple[int, int], Future] | None = None  # the window being loaded next
+        self._loader: ThreadPoolExecutor | None = None
         self.wait_s = 0.0
         self.all_columns: list[str] | None = None
         first = blocks[0]
@@ -316,7 +318,13 @@ class StreamSource:
         lo = k * self.window_rows
         return lo, self.num_samples if k == self.num_windows - 1 else lo + self.window_rows
 
-    def _load_window(self, epoch: int, k: int, order: np.ndarray, starts: np.ndarray):
+    def _layout(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """The epoch's block order and each block's first position in the epoch's stream."""
+        order = self.block_order(epoch)
+        return order, np.concatenate([[0], np.cumsum([self.blocks[i].num_rows for i in order])])
+
+    def _load_window(self, epoch: int, k: int):
+        order, starts = self._layout(epoch)
         wlo, whi = self._window_range(k)
         j = int(np.searchsorted(starts, wlo, side="right")) - 1
         parts = []
@@ -327,37 +335,34 @@ class StreamSource:
         perm = _rng(self.seed, epoch, 2, k).permutation(whi - wlo) if self.shuffle else None
         return wlo, _concat(parts), perm
 
+    def _window(self, epoch: int, k: int):
+        """Window k of `epoch` (the one loaded ahead if it is that one), and start loading the next,
+        which after an epoch's last window is the next epoch's first: a boundary never stalls."""
+        key, fut = self._ahead if self._ahead is not None else (None, None)
+        self._ahead = None
+        if self._loader is None:  # one thread per source (one malloc arena); it ends with the source
+            self._loader = ThreadPoolExecutor(1, thread_name_prefix="raytrain-window")
+        if key != (epoch, k):
+            fut = self._loader.submit(self._load_window, epoch, k)
+        nxt = (epoch, k + 1) if k + 1 < self.num_windows else (epoch + 1, 0)
+        self._ahead = (nxt, self._loader.submit(self._load_window, *nxt))
+        return fut.result()
+
     def iter_batches(self, epoch: int, start: int = 0) -> Iterator[dict[str, torch.Tensor]]:
         """Batches of `epoch` from `start`: the window holding `start` is found from row counts alone."""
         return _timed(self, self._batches(epoch, start), self.prefetch_batches)
 
     def _batches(self, epoch: int, start: int):
-        order = self.block_order(epoch)
-        starts = np.concatenate([[0], np.cumsum([self.blocks[i].num_rows for i in order])])
-        pool = ThreadPoolExecutor(1, thread_name_prefix="raytrain-window")
-        pending: dict[int, Any] = {}
-
-        def window(k: int):
-            fut = pending.pop(k, None) or pool.submit(self._load_window, epoch, k, order, starts)
-            if k + 1 < self.num_windows and k + 1 not in pending:
-                pending[k + 1] = pool.submit(self._load_window, epoch, k + 1, order, starts)
-            return fut.result()
-
         current, cur_k = None, -1
-        try:
-            for b in range(start, self._num_batches):
-                lo, hi = rank_span(b, self._num_batches, self._used, self.batch_size, self.world_size, self.rank)
-                k = min(lo // self.window_rows, self.num_windows - 1)
-                if k != cur_k:
-                    current = None  # free this window before the one after next is loaded
-                    current, cur_k = window(k), k
-                wlo, cols, perm = current
-                local = np.arange(lo - wlo, hi - wlo)
-                yield self._assemble(cols, perm[local] if perm is not None else local)
-        finally:
-            for fut in pending.values():
-                fut.cancel()
-            pool.shutdown(wait=False)
+        for b in range(start, self._num_batches):
+            lo, hi = rank_span(b, self._num_batches, self._used, self.batch_size, self.world_size, self.rank)
+            k = min(lo // self.window_rows, self.num_windows - 1)
+            if k != cur_k:
+                current = None  # free this window before the one after next is loaded
+                current, cur_k = self._window(epoch, k), k
+            wlo, cols, perm = current
+            local = np.arange(lo - wlo, hi - wlo)
+            yield self._assemble(cols, perm[local] if perm is not None else local)
 
     # -- reading
     def _parquet(self, path: str):

@@ -329,7 +329,8 @@ def _save(run: _Run, epoch_finished: bool) -> str | None:
             LOOP_STATE: {"tr_loss": run.tr_loss.item(), "total_loss": run.total_loss,
                          "last_logged": run.last_logged, "nonfinite": list(run.nonfinite),
                          "skipped_steps": run.skipped_steps,
-                         "grad_norm": None if run.grad_norm is None else float(run.grad_norm)},
+                         "grad_norm": None if run.grad_norm is None else float(run.grad_norm),
+                         "last_lr": run.last_lr},
         }
     best = state.best_model_checkpoint  # as of this save: a background rotation must not see a later one
 
@@ -414,6 +415,7 @@ def _restore(run: _Run, path: str) -> None:
     run.nonfinite, run.skipped_steps = list(loop["nonfinite"]), loop["skipped_steps"]
     if loop.get("grad_norm") is not None:  # logged again by an epoch-end log right after resuming
         run.grad_norm = torch.tensor(loop["grad_norm"], device=strategy.device)
+    run.last_lr = loop.get("last_lr", run.last_lr)
     run.epoch, run.next_batch = data_state["epoch"], data_state["next_batch"]
     run.last_saved = saved.global_step
     if rng is not None:
