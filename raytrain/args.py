@@ -187,7 +187,9 @@ class TrainingArguments(_Config):
         3, ge=0, description="consecutive steps skipped for non-finite gradients before the run fails"
     )
     save_only_model: bool = Field(False, description="checkpoint only the model (cannot resume training)")
-    ignore_data_skip: bool = Field(False, description="on resume, accept changed batch size, accumulation or dataset length and restart the saved epoch from its first batch (an unchanged run always continues exactly)")
+    ignore_data_skip: bool = Field(
+        False, description="on resume, accept a changed batch size, accumulation or dataset length and restart "
+                           "the saved epoch from its first batch (an unchanged run always continues exactly)")
 
     model: ModelConfig | None = Field(None, description="model section: factory plus its keyword arguments")
     data: DataConfig | None = Field(None, description="data section: factory plus its keyword arguments")
