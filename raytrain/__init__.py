@@ -13,7 +13,7 @@ _EXPORTS = {
     "callbacks": ["CallbackHandler", "DefaultFlowCallback", "EarlyStoppingCallback", "ExportableState",
                   "PrinterCallback", "ProgressCallback", "TrainerCallback"],
     "checkpoint": ["CheckpointError", "get_last_checkpoint", "load_weights", "verify_checkpoint"],
-    "data": ["default_collate"],
+    "data": ["DataError", "Files", "build_source", "default_collate"],
     "loop": ["NonFiniteError"],
     "optim": ["create_optimizer", "create_scheduler", "get_parameter_groups"],
     "state": ["EvalPrediction", "PredictionOutput", "TrainerControl", "TrainerState", "TrainOutput"],

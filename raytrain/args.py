@@ -196,6 +196,12 @@ class TrainingArguments(_Config):
     scaling: ScalingConfig = Field(default_factory=ScalingConfig, description="workers and resources")
     distributed: DistributedConfig = Field(default_factory=DistributedConfig, description="distributed backend")
 
+    @field_validator("logging_strategy", "eval_strategy", "save_strategy", mode="before")
+    @classmethod
+    def _yaml_no(cls, v: Any) -> Any:
+        # YAML 1.1 reads a bare `no` as false: `save_strategy: no` means "no".
+        return "no" if v is False else v
+
     @field_validator("optim_args")
     @classmethod
     def _parse_optim_args(cls, v: Any) -> Any:

@@ -51,6 +51,7 @@ Files, Arrow conversion and the streaming reader live in data_files.py.
 from __future__ import annotations
 
 import inspect
+import os
 import queue
 import threading
 import time
@@ -381,6 +382,11 @@ class Files:
     in_memory_bytes: int = 1 << 30
     buffer_bytes: int = 64 << 20
     prefetch_batches: int = 0
+
+    def __post_init__(self):
+        # Absolute at creation (on the driver): Ray Train runs workers in another working directory.
+        absolute = lambda p: os.path.abspath(os.path.expanduser(p)) if "://" not in p else p  # noqa: E731
+        self.path = absolute(self.path) if isinstance(self.path, str) else [absolute(p) for p in self.path]
 
 
 def build_source(data: Any, batch_size: int, *, seed: int = 0, shuffle: bool = True, drop_last: bool = False,

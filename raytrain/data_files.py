@@ -244,9 +244,8 @@ def files_source(spec: Files, batch_size: int, *, columns: list[str] | None, pre
                             f"stream data larger than in_memory_bytes ({spec.in_memory_bytes / 2**20:.0f} MiB), "
                             "convert it to Parquet")
         tables = [_read_table(f, fmt, None, name) for f in files]
-        return _in_memory(tables, files, spec, batch_size, columns, prefetch_batches, name, where, **kw)
-    blocks, names, nbytes = parquet_blocks(files, name, None if read_cols is None else
-                                           [c for c in read_cols])
+        return _in_memory(tables, files, spec, batch_size, prefetch_batches, name, where, **kw)
+    blocks, names, nbytes = parquet_blocks(files, name, read_cols)
     if not blocks:
         raise DataError(f"{name} ({where}): the dataset is empty (0 rows in {len(files)} file(s))")
     stream = spec.stream if spec.stream is not None else nbytes > spec.in_memory_bytes
@@ -254,7 +253,7 @@ def files_source(spec: Files, batch_size: int, *, columns: list[str] | None, pre
         read_cols = [c for c in names if c in read_cols] or None
     if not stream:
         tables = [_read_table(f, "parquet", read_cols, name) for f in files]
-        source = _in_memory(tables, files, spec, batch_size, columns, prefetch_batches, name, where, **kw)
+        source = _in_memory(tables, files, spec, batch_size, prefetch_batches, name, where, **kw)
     else:
         source = StreamSource(blocks, spec, batch_size, read_columns=read_cols, nbytes=nbytes, name=name,
                               where=where, prefetch_batches=prefetch_batches, **kw)
@@ -263,17 +262,14 @@ def files_source(spec: Files, batch_size: int, *, columns: list[str] | None, pre
     return source
 
 
-def _in_memory(tables, files, spec, batch_size, columns, prefetch_batches, name, where, **kw) -> MapSource:
+def _in_memory(tables, files, spec, batch_size, prefetch_batches, name, where, **kw) -> MapSource:
     parts = [_apply(spec.preprocess, table_to_numpy(t, name, f), name, f) for t, f in zip(tables, files)
              if t.num_rows]
     if not parts:
         raise DataError(f"{name} ({where}): the dataset is empty (0 rows in {len(files)} file(s))")
     cols = _concat(parts)
-    source = MapSource(Columns(cols, name, where), batch_size,
-                       prefetch_batches=0 if prefetch_batches is None and kw.get("collate_fn") is None
-                       else (prefetch_batches if prefetch_batches is not None else spec.prefetch_batches),
-                       name=name, **kw)
-    return source
+    pf = spec.prefetch_batches if prefetch_batches is None else prefetch_batches
+    return MapSource(Columns(cols, name, where), batch_size, prefetch_batches=pf, name=name, **kw)
 
 
 class StreamSource:

@@ -231,3 +231,10 @@ def test_cli_help_lists_every_field():
     assert expected <= names
     assert "learning_rate=VALUE" in text and "peak learning rate (default: 5e-05)" in text
     assert next(line for line in text.splitlines() if "--set model.factory=" in line).endswith("(required)")
+
+
+def test_bare_yaml_no_means_the_no_strategy(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("save_strategy: no\neval_strategy: no\n")
+    args = TrainingArguments.from_yaml(cfg, ["logging_strategy=no"])
+    assert (args.save_strategy, args.eval_strategy, args.logging_strategy) == ("no", "no", "no")
