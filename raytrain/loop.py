@@ -310,6 +310,8 @@ def _save(run: _Run, epoch_finished: bool) -> str | None:
     payload = ckpt.CheckpointPayload(pickles={rng_name: _rng_state()},
                                      sharded_writer=strategy.save_sharded if strategy.has_sharded_state else None)
     weights = strategy.model_state_dict()  # a collective for sharded backends: every rank calls it
+    # Each rank holds its share of the unlogged loss; the checkpoint keeps their sum (a collective).
+    pending_loss = strategy.all_reduce(run.tr_loss.detach().clone()).item()
     if strategy.is_main:
         payload.weights = weights
         if not args.save_only_model:
@@ -326,7 +328,7 @@ def _save(run: _Run, epoch_finished: bool) -> str | None:
                          "samples_consumed": nxt * args.per_device_train_batch_size * strategy.world_size,
                          "gradient_accumulation_steps": args.gradient_accumulation_steps,
                          **run.data.state()},
-            LOOP_STATE: {"tr_loss": run.tr_loss.item(), "total_loss": run.total_loss,
+            LOOP_STATE: {"tr_loss": pending_loss, "total_loss": run.total_loss,
                          "last_logged": run.last_logged, "nonfinite": list(run.nonfinite),
                          "skipped_steps": run.skipped_steps,
                          "grad_norm": None if run.grad_norm is None else float(run.grad_norm),
@@ -410,7 +412,9 @@ def _restore(run: _Run, path: str) -> None:
         setattr(saved, name, getattr(fresh, name))
     trainer.state = saved
     trainer.callback_handler.restore_states(saved.stateful_callbacks)
-    run.tr_loss = torch.tensor(loop["tr_loss"], dtype=run.tr_loss.dtype, device=strategy.device)
+    # The saved sum goes back on rank 0 only: the next log sums over ranks again, whatever their number.
+    run.tr_loss = torch.tensor(loop["tr_loss"] if strategy.is_main else 0.0, dtype=run.tr_loss.dtype,
+                               device=strategy.device)
     run.total_loss, run.last_logged = loop["total_loss"], loop["last_logged"]
     run.nonfinite, run.skipped_steps = list(loop["nonfinite"]), loop["skipped_steps"]
     if loop.get("grad_norm") is not None:  # logged again by an epoch-end log right after resuming

@@ -1,0 +1,220 @@
+"""WORKER side of a Ray Train run: the one module that calls Ray Train's worker API.
+
+`train_loop_per_worker` is what TorchTrainer runs on every worker: it rebuilds the user's Trainer,
+resumes from Ray's checkpoint after a restart, runs loop.train, and reports logs and checkpoints to
+Ray. Everything else on the worker side (loop, strategies, checkpoint) runs without Ray.
+
+Preemption: a SIGTERM (what a spot node's processes receive before it goes) sets a flag; at the next
+step boundary every rank agrees to save a checkpoint and stop, and the worker then fails with
+`Preempted`, so FailureConfig(max_failures) restarts the group from that checkpoint.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import signal
+import threading
+from typing import Any
+
+import torch
+
+from .callbacks import TrainerCallback
+from .checkpoint import MANIFEST, checkpoint_dir, get_last_checkpoint
+
+logger = logging.getLogger(__name__)
+
+#: Seconds a worker may take to save and stop after SIGTERM before it exits regardless.
+PREEMPT_GRACE_ENV = "RAYTRAIN_PREEMPT_GRACE_S"
+
+_preempt_requested = threading.Event()
+_training_active = threading.Event()
+
+
+class Preempted(RuntimeError):
+    """The worker saved a checkpoint after SIGTERM and stopped; Ray restarts the group from it."""
+
+
+# ---------------------------------------------------------------- SIGTERM (runs on the actor's main thread)
+
+
+def install_sigterm_handler() -> None:
+    """Turn SIGTERM into a save-and-stop request while a training loop runs. Signal handlers can only
+    be set from the main thread, so launch.py's backend runs this through the worker group's execute."""
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_sigterm(signum, frame):
+        if not _training_active.is_set() or _preempt_requested.is_set():
+            # No loop to stop, or a second notice: exit as the process would have.
+            if callable(previous):
+                previous(signum, frame)
+            raise SystemExit(128 + signum)
+        _preempt_requested.set()
+        logger.warning("SIGTERM: saving a checkpoint at the next step boundary, then stopping")
+        grace = float(os.environ.get(PREEMPT_GRACE_ENV, "120"))
+        timer = threading.Timer(grace, lambda: os._exit(128 + signum))
+        timer.daemon = True
+        timer.start()
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+
+
+class PreemptionCallback(TrainerCallback):
+    """At each step end, all ranks agree whether any got SIGTERM; if so: save now, then stop."""
+
+    def __init__(self, strategy):
+        self.strategy = strategy
+        self.triggered_at: int | None = None
+
+    def on_step_end(self, args, state, control, **kwargs):
+        flag = torch.tensor(int(_preempt_requested.is_set()), device=self.strategy.device)
+        if int(self.strategy.all_reduce(flag, "max")):
+            self.triggered_at = state.global_step
+            control.should_save = args.save_strategy != "no"
+            control.should_training_stop = True
+        return control
+
+
+# ---------------------------------------------------------------- reporting to Ray
+
+
+class RayReportCallback(TrainerCallback):
+    """Every log goes to ray.train.report on every rank (Ray requires it; rank 0's metrics are the
+    run's); every save is reported as a ray.train.Checkpoint by rank 0, the others report None."""
+
+    def __init__(self, rank: int):
+        self.rank = rank
+        self.reported_step = -1
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        import ray.train
+
+        ray.train.report({**_plain(logs or {}), "step": state.global_step})
+
+    def on_save(self, args, state, control, **kwargs):
+        import ray.train
+
+        if state.global_step == self.reported_step:
+            return  # the loop skipped this save: the step's checkpoint exists and was reported
+        self.reported_step = state.global_step
+        path = checkpoint_dir(args.output_dir, state.global_step)
+        checkpoint = ray.train.Checkpoint.from_directory(path) if self.rank == 0 else None
+        last = state.log_history[-1] if state.log_history else {}
+        ray.train.report({**_plain(last), "step": state.global_step, "checkpoint_step": state.global_step},
+                         checkpoint=checkpoint)
+
+
+def _plain(logs: dict) -> dict:
+    return {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in logs.items()}
+
+
+# ---------------------------------------------------------------- the worker function
+
+
+def train_loop_per_worker(config: dict) -> dict | None:
+    """Rebuild the Trainer, resume (Ray's checkpoint after a restart, else the driver's choice), train.
+    Rank 0 returns the run's TrainOutput, TrainerState and final weights to the driver."""
+    import cloudpickle
+    import ray.train
+
+    from . import loop
+    from .trainer import set_seed
+
+    ctx = ray.train.get_context()
+    os.environ.setdefault("LOCAL_RANK", str(ctx.get_local_rank()))
+    trainer = cloudpickle.loads(config["trainer"])
+    set_seed(trainer.args.seed, trainer.args.full_determinism)  # as Trainer.__init__ did on the driver
+    strategy = trainer._get_strategy()  # rank and world from torch.distributed, set up by TorchTrainer
+    preemption = PreemptionCallback(strategy)
+    trainer.add_callback(RayReportCallback(strategy.rank))
+    trainer.add_callback(preemption)
+
+    reported = ray.train.get_checkpoint()
+    trainer._start_memory_tracking()  # as Trainer.train does in-process (skip_memory_metrics)
+    _training_active.set()
+    try:
+        with reported.as_directory() if reported is not None else contextlib.nullcontext() as ray_path:
+            resume = _resume_point(strategy, trainer.args.output_dir, config, ray_path)
+            out = loop.train(trainer, resume)
+    finally:
+        _training_active.clear()
+    if preemption.triggered_at is not None and out.global_step < trainer.state.max_steps:
+        saved = f"saved checkpoint-{preemption.triggered_at} and " if trainer.args.save_strategy != "no" else ""
+        raise Preempted(f"SIGTERM: {saved}stopped at step {preemption.triggered_at}; Ray restarts the worker "
+                        "group from the last checkpoint (FailureConfig.max_failures)")
+    weights = strategy.model_state_dict()  # a collective for sharded backends
+    strategy.barrier()
+    if strategy.rank != 0:
+        return None
+    buf = io.BytesIO()
+    torch.save(weights, buf)
+    return {"global_step": out.global_step, "training_loss": out.training_loss, "metrics": dict(out.metrics),
+            "state": trainer.state.to_json_string(), "weights": buf.getvalue()}
+
+
+def _resume_point(strategy, output_dir: str, config: dict, ray_path: str | None):
+    """Where this attempt starts. After a restart: the newer of Ray's latest registered checkpoint
+    and the newest complete one in output_dir (a save the controller had not registered yet when the
+    worker died); on the first attempt: the driver's resume_from_checkpoint. Rank 0 decides."""
+    choice = None
+    if strategy.is_main:
+        marker = os.path.join(output_dir, ".raytrain-run")
+        restarted = _read_marker(marker) == config["run"]
+        os.makedirs(output_dir, exist_ok=True)
+        with open(marker, "w") as f:
+            json.dump({"run": config["run"]}, f)
+        candidates = [("ray", ray_path)] if ray_path else []
+        local = get_last_checkpoint(output_dir) if restarted else None
+        if local:
+            candidates.append(("local", local))
+        choice = max(candidates, key=lambda c: _step(c[1])) if candidates else ("driver", None)
+        if choice[0] != "driver":
+            logger.warning("restart: resuming from %s (step %d)", choice[1], _step(choice[1]))
+    kind, path = strategy.broadcast_object(choice)
+    if kind == "ray":
+        return ray_path  # this rank's own copy of Ray's checkpoint
+    return path if kind == "local" else config.get("resume_from_checkpoint")
+
+
+def _read_marker(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return json.load(f).get("run")
+    except (OSError, ValueError):
+        return None
+
+
+def _step(path: str) -> int:
+    with open(os.path.join(path, MANIFEST)) as f:
+        return int(json.load(f)["global_step"])
+
+
+def pickle_trainer(trainer, args) -> bytes:
+    """The Trainer for the workers: everything but its process-local pieces (strategy, wrapped model)."""
+    import copy
+
+    import cloudpickle
+
+    clone = copy.copy(trainer)
+    clone.args = args
+    clone._strategy = None
+    clone.model_wrapped = None
+    try:
+        return cloudpickle.dumps(clone)
+    except Exception as e:
+        bad = [name for name, value in vars(clone).items() if not _picklable(value)]
+        raise TypeError(f"Trainer attribute(s) {bad or '?'} cannot be pickled for the Ray workers ({e}); "
+                        "build them inside model_init / the data factory, or drop them") from e
+
+
+def _picklable(value: Any) -> bool:
+    import cloudpickle
+
+    try:
+        cloudpickle.dumps(value)
+        return True
+    except Exception:
+        return False

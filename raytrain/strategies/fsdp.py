@@ -1,0 +1,217 @@
+"""FSDP2 (torch.distributed.fsdp.fully_shard): parameters, gradients and optimizer state sharded over ranks.
+
+Options, from `distributed.fsdp`:
+  reshard_after_forward    true (default): full sharding; false: parameters stay gathered between
+                           forward and backward (gradient/optimizer sharding only, less communication)
+  cpu_offload              keep sharded parameters, gradients and optimizer state in CPU memory
+  mixed_precision          {param_dtype, reduce_dtype} (e.g. bfloat16 / float32); bf16: true implies
+                           {param_dtype: bfloat16, reduce_dtype: float32}
+  activation_checkpointing recompute each wrapped block's activations in the backward pass
+  wrap_classes             class names of the blocks to shard separately (e.g. [DecoderLayer]);
+                           transformer_layer_cls_to_wrap is accepted as HF's name for it
+  min_num_params           or: shard separately every submodule holding at least this many parameters
+Checkpoints: model.safetensors is the consolidated full state dict (rank 0); the optimizer state is
+saved sharded with torch.distributed.checkpoint into the checkpoint's dcp/ directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import os
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+
+from .base import DCP_DIR, Strategy, TorchDistributedMixin
+
+logger = logging.getLogger(__name__)
+
+OPTIONS = ("reshard_after_forward", "cpu_offload", "mixed_precision", "activation_checkpointing",
+           "wrap_classes", "transformer_layer_cls_to_wrap", "min_num_params")
+_DTYPES = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16,
+           "fp16": torch.float16, "float32": torch.float32, "fp32": torch.float32}
+
+
+class FSDPStrategy(TorchDistributedMixin, Strategy):
+    name = "fsdp"
+    averages_gradients = True  # the reduce-scatter averages gradients over ranks
+
+    def __init__(self, args):
+        super().__init__(args)
+        self.options = dict(args.distributed.fsdp or {})
+        unknown = sorted(set(self.options) - set(OPTIONS))
+        if unknown:
+            raise ValueError(f"distributed.fsdp: unknown option(s) {unknown}; valid: {', '.join(OPTIONS)}")
+        if args.fp16:
+            raise ValueError("fp16 with distributed.strategy=fsdp: use bf16 (or distributed.fsdp.mixed_precision)")
+        self._mixed_precision()  # validates the dtypes now, before any worker is set up
+        self._init_distributed(args)
+
+    # -- set-up
+    def setup(self, model, optimizer_factory, optimizer=None):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+        if optimizer is not None:
+            raise ValueError("distributed.strategy=fsdp: a ready-made optimizer refers to the unsharded "
+                             "parameters; leave Trainer(optimizers=...) empty so it is built after sharding")
+        model = model.to(self.device)
+        blocks = self._blocks(model)
+        if self.options.get("activation_checkpointing"):
+            for block in blocks or [model]:
+                _checkpoint_forward(block)
+        kwargs = {"mesh": init_device_mesh(self.device.type, (self.world_size,)),
+                  "reshard_after_forward": bool(self.options.get("reshard_after_forward", True))}
+        mp = self._mixed_precision()
+        if mp is not None:
+            kwargs["mp_policy"] = MixedPrecisionPolicy(**mp)
+        if self.options.get("cpu_offload") and self.device.type == "cpu":
+            logger.warning("distributed.fsdp.cpu_offload: ignored without GPUs (everything is in CPU memory)")
+        elif self.options.get("cpu_offload"):
+            kwargs["offload_policy"] = CPUOffloadPolicy()
+        for block in blocks:
+            fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
+        self.optimizer = optimizer_factory(model)
+        self.model = torch.compile(model) if self.args.torch_compile else model
+        return self.model, self.optimizer
+
+    def _blocks(self, model) -> list[torch.nn.Module]:
+        """The submodules sharded on their own (each its own all-gather), innermost first."""
+        names = self.options.get("wrap_classes") or self.options.get("transformer_layer_cls_to_wrap")
+        if isinstance(names, str):
+            names = [names]
+        names = names or list(getattr(model, "_no_split_modules", None) or [])
+        min_params = self.options.get("min_num_params")
+        if names:
+            found = [m for m in model.modules() if m is not model and type(m).__name__ in set(names)]
+            if not found:
+                raise ValueError(f"distributed.fsdp.wrap_classes: no submodule of {type(model).__name__} is a "
+                                 f"{' or '.join(names)}")
+            return list(reversed(found))
+        if not min_params:
+            return []
+        blocks, covered = [], set()
+        for module in _post_order(model):
+            if module is model:
+                continue
+            own = [p for p in module.parameters() if id(p) not in covered]
+            if sum(p.numel() for p in own) >= int(min_params):
+                blocks.append(module)
+                covered.update(id(p) for p in own)
+        return blocks
+
+    def _mixed_precision(self) -> dict | None:
+        mp = self.options.get("mixed_precision")
+        if mp is None and self.args.bf16:
+            mp = {"param_dtype": "bfloat16", "reduce_dtype": "float32"}
+        if mp is None or mp is False:
+            return None
+        if isinstance(mp, str):
+            mp = {"param_dtype": mp, "reduce_dtype": "float32"}
+        out = {}
+        for key in ("param_dtype", "reduce_dtype"):
+            if mp.get(key) is not None:
+                if mp[key] not in _DTYPES:
+                    raise ValueError(f"distributed.fsdp.mixed_precision.{key}: one of {sorted(_DTYPES)}, got {mp[key]!r}")
+                out[key] = _DTYPES[mp[key]]
+        return out
+
+    def unwrap(self, model):
+        return getattr(model, "_orig_mod", model)
+
+    # -- the step
+    def no_sync(self):
+        return _requires_gradient_sync(self.unwrap(self.model), False)
+
+    def clip_grad_norm(self, max_norm):
+        grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+        total = torch.nn.utils.get_total_norm(grads, foreach=True)
+        if hasattr(total, "full_tensor"):  # a DTensor: the norm of this rank's shards, reduced to all
+            total = total.full_tensor()
+        if max_norm:
+            torch.nn.utils.clip_grads_with_norm_([p for p in self.model.parameters() if p.grad is not None],
+                                                 max_norm, total, foreach=True)
+        return total
+
+    # -- state for checkpoints
+    def model_state_dict(self, all_ranks: bool = False):
+        """Gathered from the shards; on CPU and on rank 0 only unless `all_ranks`. A collective."""
+        options = StateDictOptions(full_state_dict=True, cpu_offload=not all_ranks)
+        state = get_model_state_dict(self.unwrap(self.model), options=options)
+        if not state:
+            return None
+        return {k: v.detach().cpu() for k, v in state.items()}
+
+    def load_model_state_dict(self, state):
+        set_model_state_dict(self.unwrap(self.model), state, options=StateDictOptions(full_state_dict=True))
+
+    def optimizer_state_dict(self):
+        return None  # saved sharded, by save_sharded
+
+    def load_optimizer_state_dict(self, state):
+        """A full torch optimizer state_dict (optimizer.pt of a DDP or single-process run), re-sharded."""
+        model = self.unwrap(self.model)
+        set_optimizer_state_dict(model, self.optimizer, _by_name(model, self.optimizer, state),
+                                 options=StateDictOptions(full_state_dict=True))
+
+    @property
+    def has_sharded_state(self) -> bool:
+        return True
+
+    def save_sharded(self, directory: str) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        state = {"optimizer": get_optimizer_state_dict(self.unwrap(self.model), self.optimizer)}
+        dcp.save(state, checkpoint_id=os.path.join(directory, DCP_DIR))
+
+
+def _post_order(module: torch.nn.Module):
+    for child in module.children():
+        yield from _post_order(child)
+    yield module
+
+
+@contextlib.contextmanager
+def _requires_gradient_sync(model, flag: bool):
+    model.set_requires_gradient_sync(flag)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def _checkpoint_forward(module: torch.nn.Module) -> None:
+    """Recompute `module`'s activations in backward; names in the state dict stay unchanged (unlike a
+    wrapper module). FSDP's hooks sit around the call, so recomputation sees gathered parameters."""
+    from torch.utils.checkpoint import checkpoint
+
+    forward = module.forward
+
+    @functools.wraps(forward)
+    def checkpointed(*args, **kwargs):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    module.forward = checkpointed
+
+
+def _by_name(model, optimizer, state: dict) -> dict:
+    """A torch optimizer state_dict keyed by parameter index -> keyed by parameter name, the form
+    set_optimizer_state_dict takes. Indices follow the order of the optimizer's param groups, which
+    create_optimizer builds the same way for every backend."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    order = [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+    saved_ids = [i for g in state["param_groups"] for i in g["params"]]
+    if len(saved_ids) != len(order):
+        raise ValueError(f"optimizer.pt has {len(saved_ids)} parameters, this model {len(order)}")
+    to_name = dict(zip(saved_ids, order))
+    return {"state": {to_name[i]: s for i, s in state["state"].items()},
+            "param_groups": [{**g, "params": [to_name[i] for i in g["params"]]} for g in state["param_groups"]]}

@@ -1,0 +1,239 @@
+"""launch.py: the Trainer on 2 Ray workers (DDP, gloo): the same maths as one process with the same global
+batch, the same TrainOutput on the driver, and restarts after SIGKILL or SIGTERM that end bit-exact."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+import pytest
+import torch
+
+from raytrain import Trainer, TrainOutput, load_weights
+from raytrain.launch import _worker_error
+from tests.strategies._helpers import FaultInjector, WeightsProbe, digits_args, digits_model, state_digest
+
+pytestmark = pytest.mark.ray
+
+
+def _losses(trainer) -> list[float]:
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def _starts(output_dir) -> list[int]:
+    with open(os.path.join(output_dir, "starts.txt")) as f:
+        return [int(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def ddp_run(ray_cluster, tmp_path_factory):
+    """The uninterrupted 2-worker run every test here compares with."""
+    from examples.digits import build_datasets
+
+    root = tmp_path_factory.mktemp("ddp")
+    train, _ = build_datasets()
+    trainer = Trainer(digits_model(), digits_args(str(root / "out"), str(root / "ray")),
+                      train_dataset=train, callbacks=[WeightsProbe()])
+    return root / "out", trainer, trainer.train()
+
+
+@pytest.mark.timeout(300)
+def test_ddp_two_workers_equals_one_process(ddp_run, digits, tmp_path):
+    out_dir, trainer, out = ddp_run
+    train, _ = digits
+    single = Trainer(digits_model(), digits_args(str(tmp_path / "single"), per_device_train_batch_size=32,
+                                                 scaling={"num_workers": 1}), train_dataset=train)
+    ref = single.train()
+
+    # The driver gets rank 0's TrainOutput and state, as an in-process run returns them.
+    assert isinstance(out, TrainOutput) and out.global_step == 30
+    assert out.training_loss == pytest.approx(ref.training_loss, rel=1e-4)
+    assert set(ref.metrics) <= set(out.metrics)
+    assert trainer.state.global_step == 30 and trainer.state.max_steps == 30
+    losses = _losses(trainer)
+    assert len(losses) == 6 and losses[-1] < losses[0] * 0.6
+    assert losses == pytest.approx(_losses(single), rel=1e-4)
+    # Same maths as one process with the global batch; the driver's model holds the final weights.
+    ddp_w, ref_w = trainer.model.state_dict(), single.model.state_dict()
+    for name in ref_w:
+        torch.testing.assert_close(ddp_w[name], ref_w[name], rtol=1e-4, atol=1e-5)
+    # The consolidated checkpoint weights equal what each rank holds and load into plain PyTorch.
+    saved = load_weights(str(out_dir / "checkpoint-30"))
+    probes = [json.load(open(out_dir / f"probe-rank{r}.json")) for r in (0, 1)]
+    assert probes[0]["digest"] == probes[1]["digest"] == state_digest(saved)
+    plain = digits_model(seed=1)
+    plain.load_state_dict(saved)
+    assert state_digest(plain.state_dict()) == state_digest(trainer.model.state_dict())
+    # After the run the driver evaluates in-process, as run.py does.
+    evaluated = trainer.evaluate(eval_dataset=digits[1])["eval_loss"]
+    assert evaluated == pytest.approx(single.evaluate(eval_dataset=digits[1])["eval_loss"], rel=1e-4)
+
+
+def test_two_workers_checkpoint_resumes_on_one(ddp_run, digits, tmp_path, caplog):
+    """2 workers -> 1: weights and optimizer state carry over; the data order change is warned about."""
+    out_dir, _, _ = ddp_run
+    trainer = Trainer(digits_model(seed=3), digits_args(str(tmp_path / "one"), scaling={"num_workers": 1}),
+                      train_dataset=digits[0])
+    with caplog.at_level("WARNING"):
+        out = trainer.train(resume_from_checkpoint=str(out_dir / "checkpoint-20"))
+    assert out.global_step == 30 and trainer.state.log_history[0]["step"] == 5  # history carried over
+    assert any("world size 2 -> 1" in r.getMessage() for r in caplog.records)
+    assert _losses(trainer)[-1] < _losses(trainer)[0]
+
+
+@pytest.mark.timeout(300)
+def test_sigkill_and_sigterm_restart_the_group_and_end_bit_exact(ddp_run, digits, tmp_path):
+    """One run, two faults (a TorchTrainer start costs ~25 s here, so they share one):
+    - rank 1 is SIGKILLed after step 15: Ray restarts the group, which resumes from checkpoint-10;
+    - rank 0 gets SIGTERM after step 23: a checkpoint appears a step or two later (save_steps gives
+      none before 30), the worker stops, and the restarted group resumes from it.
+    The final weights equal the uninterrupted run's bit for bit, and so do the logged losses (to float
+    rounding)."""
+    _, reference, _ = ddp_run
+    out_dir = tmp_path / "out"
+    args = digits_args(str(out_dir), str(tmp_path / "ray"), scaling={"max_failures": 2})
+    faults = [FaultInjector(1, 15, signal.SIGKILL), FaultInjector(0, 23, signal.SIGTERM, record_starts=False)]
+    trainer = Trainer(digits_model(), args, train_dataset=digits[0], callbacks=faults)
+    out = trainer.train()
+    assert out.global_step == 30
+    first, after_kill, after_term = _starts(out_dir)
+    assert (first, after_kill) == (0, 10)
+    assert 23 < after_term <= 26 and after_term % 10
+    assert os.path.isdir(out_dir / f"checkpoint-{after_term}")
+    assert state_digest(trainer.model.state_dict()) == state_digest(reference.model.state_dict())
+    # The unlogged loss of the interval cut by SIGTERM is summed over ranks at the save: float order only.
+    assert _losses(trainer) == pytest.approx(_losses(reference), rel=1e-6)
+
+
+def test_worker_errors_surface_as_the_users_exception():
+    """The driver raises what the worker raised (rank 0 first), as an in-process run would."""
+    class Wrapped(Exception):
+        def __init__(self, base):
+            self._base_exc = base
+
+    class GroupError(Exception):
+        worker_failures = {1: Wrapped(RuntimeError("gloo: connection closed")), 0: Wrapped(FileExistsError("x"))}
+
+    assert isinstance(_worker_error(GroupError()), FileExistsError)
+    plain = RuntimeError("controller died")
+    assert _worker_error(plain) is plain
+
+
+def _free_ports(n: int) -> list[int]:
+    import socket
+
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+@pytest.fixture
+def ray_head():
+    """A second, separate cluster from `ray start --head --block` (what `ray job submit` talks to),
+    in its own process group so that it and everything it started can be ended by that group's id.
+    Its ports are all chosen free, so it coexists with the session cluster (and anyone else's)."""
+    import shutil
+    import subprocess
+    import tempfile
+    import time
+    import urllib.error
+    import urllib.request
+
+    for module in ("aiohttp_cors", "opencensus", "prometheus_client", "grpc"):
+        pytest.importorskip(module, reason="`ray job submit` needs Ray's dashboard: pip install 'ray[default]'")
+    gcs, dashboard, client, agent, agent_grpc, env_agent, metrics = _free_ports(7)
+    temp = tempfile.mkdtemp(prefix="rt-head-", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
+    # Token authentication, explicit for both the cluster and the `ray job` client (the token is
+    # ~/.ray/auth_token, which `ray start` creates when missing).
+    env = {**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, "RAY_AUTH_MODE": "token"}
+    cmd = ["ray", "start", "--head", "--block", "--num-cpus", "4", "--port", str(gcs), "--temp-dir", temp,
+           "--include-dashboard", "true", "--dashboard-host", "127.0.0.1", "--dashboard-port", str(dashboard),
+           "--ray-client-server-port", str(client), "--dashboard-agent-listen-port", str(agent),
+           "--dashboard-agent-grpc-port", str(agent_grpc), "--runtime-env-agent-port", str(env_agent),
+           "--metrics-export-port", str(metrics), "--disable-usage-stats"]
+    head = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
+    address = f"http://127.0.0.1:{dashboard}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"{address}/api/version", timeout=2)
+                break
+            except urllib.error.HTTPError:  # 401 without the token: the dashboard is up
+                break
+            except OSError:
+                if time.time() > deadline or head.poll() is not None:
+                    pytest.fail(f"ray start --head did not come up (exit code {head.poll()})")
+                time.sleep(1)
+        yield address, env
+    finally:
+        import signal as sig
+
+        for signum, wait in ((sig.SIGTERM, 5), (sig.SIGKILL, 10)):
+            try:
+                os.killpg(head.pid, signum)
+            except ProcessLookupError:
+                break
+            try:
+                head.wait(timeout=wait)
+            except subprocess.TimeoutExpired:
+                continue
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.mark.timeout(400)
+def test_ray_job_submit_end_to_end(ray_head, tmp_path):
+    """`ray job submit --working-dir . -- python -m raytrain.run ... scaling.num_workers=2` against a
+    `ray start --head` cluster: the job joins it (RAY_ADDRESS), trains on 2 workers, evaluates and saves."""
+    import subprocess
+
+    address, env = ray_head
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "out"
+    cmd = ["ray", "job", "submit", "--address", address, "--working-dir", ".", "--",
+           "python", "-m", "raytrain.run", "--config", "examples/digits.yaml",
+           "--set", "scaling.num_workers=2", "--set", f"scaling.storage_path={tmp_path / 'ray'}",
+           "--set", f"output_dir={out}", "--set", "num_train_epochs=2", "--set", "disable_tqdm=true"]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=360)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "succeeded" in log, log[-3000:]
+    summary = json.loads(next(line for line in log.splitlines() if line.startswith("summary: "))[len("summary: "):])
+    assert summary["global_step"] == 46  # 2 epochs of 1438 samples in global batches of 2 x 32
+    assert summary["eval_accuracy"] > 0.8
+    assert {"checkpoint-23", "checkpoint-46", "final"} <= set(os.listdir(out))
+    assert os.path.exists(out / "final" / "model.safetensors")
+
+
+def test_cluster_yaml_passes_rays_autoscaler_validation():
+    """cluster.yaml as `ray up` reads it: merged with the AWS defaults, then checked against Ray's schema
+    (no cloud call); the worker groups are spot, bounded, and install raytrain."""
+    import copy
+
+    import yaml
+    from ray.autoscaler._private.util import prepare_config, validate_config
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with open(os.path.join(root, "cluster.yaml")) as f:
+        raw = yaml.safe_load(f)
+    config = prepare_config(copy.deepcopy(raw))
+    validate_config(config)
+    assert config["provider"]["type"] == "aws"
+    head = config["head_node_type"]
+    workers = {k: v for k, v in config["available_node_types"].items() if k != head}
+    assert workers and config["available_node_types"][head]["resources"] == {"CPU": 0}
+    for node in workers.values():
+        assert node["node_config"]["InstanceMarketOptions"]["MarketType"] == "spot"
+        assert 0 <= node["min_workers"] <= node["max_workers"] <= config["max_workers"]
+    for commands in (config["head_setup_commands"], config["worker_setup_commands"]):
+        assert any("/home/ubuntu/raytrain" in c and "pip install" in c for c in commands)
+    assert "--dashboard-host=127.0.0.1" in " ".join(config["head_start_ray_commands"])
+    # A typo is caught, so the check is not vacuous.
+    broken = copy.deepcopy(raw)
+    broken["available_node_types"]["ray.worker.gpu_spot"]["min_worker"] = 1
+    with pytest.raises(Exception, match="min_worker"):
+        validate_config(prepare_config(broken))
