@@ -255,3 +255,17 @@ def test_evaluate_metrics_and_errors(tmp_path, digits):
         float((out["logits"].argmax(-1).numpy() == val["labels"]).mean()))
     with pytest.raises(ValueError, match="needs a model or a model_init"):
         Trainer(None, args_for(tmp_path))
+
+
+def test_last_epoch_can_be_the_best_checkpoint(tmp_path):
+    # The final save with save_strategy "epoch" follows the epoch-end evaluation, so it is the best.
+    scores = iter([0.1, 0.2, 0.9])
+    args = args_for(tmp_path, num_train_epochs=3, per_device_train_batch_size=4, eval_strategy="epoch",
+                    save_strategy="epoch", load_best_model_at_end=True, metric_for_best_model="score")
+    trainer = Trainer(TinyClassifier(), args, train_dataset=columns(8), eval_dataset=columns(4),
+                      compute_metrics=lambda p: {"score": next(scores)})
+    trainer.train()
+    assert trainer.state.best_global_step == 6
+    assert trainer.state.best_model_checkpoint == os.path.join(args.output_dir, "checkpoint-6")
+    saved = TrainerState.load_from_json(os.path.join(args.output_dir, "checkpoint-6", "trainer_state.json"))
+    assert saved.best_model_checkpoint == trainer.state.best_model_checkpoint

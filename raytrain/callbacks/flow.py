@@ -20,8 +20,10 @@ class DefaultFlowCallback(TrainerCallback):
             control.should_save = True
         if step >= state.max_steps:
             control.should_training_stop = True
-            # A run with a save strategy always ends with a checkpoint, as in HF.
-            if args.save_strategy not in ("no", "best"):
+            # A run always ends with a checkpoint. With save_strategy "epoch" it is the epoch-end
+            # save (on_epoch_end fires after the last step), which follows the epoch-end evaluation,
+            # so the last epoch can become the best checkpoint.
+            if args.save_strategy == "steps":
                 control.should_save = True
         return control
 
