@@ -16,7 +16,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from raytrain import Trainer, TrainerCallback, TrainingArguments
+from tests.tiny import StopAt
+from raytrain import Trainer, TrainingArguments
 from raytrain.data import (DataError, DataFileNotFoundError, Files, MapSource, build_source, model_inputs,
                            plan_epoch, trainer_datasets)
 from raytrain.data_files import StreamSource
@@ -160,15 +161,6 @@ class Recorder(nn.Module):
             self.seen.append(idx.tolist())
         logits = self.linear(x)
         return {"logits": logits, "loss": F.cross_entropy(logits, labels)}
-
-
-class StopAt(TrainerCallback):
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step >= self.step:
-            control.should_training_stop = True
 
 
 def run(out, data, stop=None, resume=None, **kw) -> Recorder:

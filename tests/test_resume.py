@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from examples.digits import build_model
-from raytrain import EarlyStoppingCallback, Trainer, TrainerCallback, TrainingArguments
+from tests.tiny import StopAt
+from raytrain import EarlyStoppingCallback, Trainer, TrainingArguments
 from raytrain.data import MapSource
 
 N, BATCH = 40, 4  # 10 batches per epoch
@@ -46,17 +47,6 @@ class CountingDataset:
     def __getitem__(self, i):
         self.fetched.append(i)
         return {k: v[i] for k, v in self.columns.items()}
-
-
-class StopAt(TrainerCallback):
-    """Simulates a preemption right after step `step` (and its checkpoint)."""
-
-    def __init__(self, step: int):
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step >= self.step:
-            control.should_training_stop = True
 
 
 def make_trainer(out, *, init_seed: int = 0, data=None, callbacks=(), **kw) -> Trainer:

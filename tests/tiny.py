@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from raytrain import TrainingArguments
+from raytrain import TrainerCallback, TrainingArguments
 
 
 class TinyClassifier(nn.Module):
@@ -31,3 +31,14 @@ def columns(n: int, seed: int = 0) -> dict:
 def args_for(tmp_path, **kw) -> TrainingArguments:
     base = dict(output_dir=str(tmp_path / "out"), disable_tqdm=True, report_to="none", seed=0)
     return TrainingArguments(**{**base, **kw})
+
+
+class StopAt(TrainerCallback):
+    """Simulates a preemption right after step `step` (and its checkpoint)."""
+
+    def __init__(self, step: int):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_training_stop = True

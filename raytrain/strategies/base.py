@@ -48,6 +48,14 @@ class Strategy:
         """Move/wrap the model, build the optimizer over the final parameters; return both."""
         raise NotImplementedError
 
+    def _place(self, model: torch.nn.Module, optimizer_factory, optimizer=None):
+        """What every backend does first: model on this rank's device, gradient checkpointing,
+        then the optimizer over the placed parameters (unless the user gave one)."""
+        model = model.to(self.device)
+        if self.args.gradient_checkpointing:
+            enable_gradient_checkpointing(model)
+        return model, optimizer if optimizer is not None else optimizer_factory(model)
+
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         model = getattr(model, "module", model)
         return getattr(model, "_orig_mod", model)
@@ -234,3 +242,10 @@ def _set_optimizer_state(model: torch.nn.Module, optimizer, state: dict) -> None
 
     set_optimizer_state_dict(model, optimizer, state)
 
+
+def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+    enable = getattr(model, "gradient_checkpointing_enable", None)
+    if enable is None:
+        raise ValueError("gradient_checkpointing: the model has no gradient_checkpointing_enable() "
+                         "method; add one or set gradient_checkpointing: false")
+    enable()

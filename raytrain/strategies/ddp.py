@@ -6,7 +6,6 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from .base import Strategy, TorchDistributedMixin
-from .single import _enable_gradient_checkpointing
 
 
 class DDPStrategy(TorchDistributedMixin, Strategy):
@@ -22,10 +21,7 @@ class DDPStrategy(TorchDistributedMixin, Strategy):
             self.scaler = torch.amp.GradScaler(self.device.type)
 
     def setup(self, model, optimizer_factory, optimizer=None):
-        model = model.to(self.device)
-        if self.args.gradient_checkpointing:
-            _enable_gradient_checkpointing(model)
-        self.optimizer = optimizer if optimizer is not None else optimizer_factory(model)
+        model, self.optimizer = self._place(model, optimizer_factory, optimizer)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         wrapped = DistributedDataParallel(model, device_ids=device_ids)
         self.model = torch.compile(wrapped) if self.args.torch_compile else wrapped

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ..optim import get_parameter_groups
-from .base import DEEPSPEED_DIR, Strategy, TorchDistributedMixin
+from .base import DEEPSPEED_DIR, Strategy, TorchDistributedMixin, enable_gradient_checkpointing
 
 AUTO = "auto"
 
@@ -51,8 +51,7 @@ class DeepSpeedStrategy(TorchDistributedMixin, Strategy):
 
         deepspeed.init_distributed(dist_backend="gloo" if self.device.type == "cpu" else "nccl")
         if self.args.gradient_checkpointing:
-            from .single import _enable_gradient_checkpointing
-            _enable_gradient_checkpointing(model)
+            enable_gradient_checkpointing(model)
         kwargs: dict[str, Any] = {"model": model, "config": copy.deepcopy(self.config)}
         if "optimizer" in self.config:
             if optimizer is not None:

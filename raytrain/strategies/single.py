@@ -18,19 +18,9 @@ class SingleProcessStrategy(Strategy):
             self.scaler = torch.amp.GradScaler(self.device.type)
 
     def setup(self, model, optimizer_factory, optimizer=None):
-        model = model.to(self.device)
-        if self.args.gradient_checkpointing:
-            _enable_gradient_checkpointing(model)
+        model, self.optimizer = self._place(model, optimizer_factory, optimizer)
         self.model = model
-        self.optimizer = optimizer if optimizer is not None else optimizer_factory(model)
         if self.args.torch_compile:
             self.model = torch.compile(model)
         return self.model, self.optimizer
 
-
-def _enable_gradient_checkpointing(model: torch.nn.Module) -> None:
-    enable = getattr(model, "gradient_checkpointing_enable", None)
-    if enable is None:
-        raise ValueError("gradient_checkpointing: the model has no gradient_checkpointing_enable() "
-                         "method; add one or set gradient_checkpointing: false")
-    enable()
