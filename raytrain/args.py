@@ -1,21 +1,27 @@
 """TrainingArguments and its nested sections: the one validated description of a run.
 
-Field names and defaults follow Hugging Face transformers' TrainingArguments. Every
-validation failure is a single-line ConfigError naming the field and what would be right.
+Field names and defaults follow Hugging Face transformers' TrainingArguments (a dataclass, as
+there). Every validation failure is a single-line ConfigError naming the field and what would be right.
 """
 
 from __future__ import annotations
 
 import copy
 import difflib
+import functools
 import json
+import logging
 import math
 import os
 import re
-from typing import Any, Literal, get_args, get_origin
+from dataclasses import MISSING, dataclass, field, fields
+from enum import Enum
+from typing import Annotated, Any, Callable, Literal, get_args, get_origin, get_type_hints
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_INTEGRATIONS = ["mlflow"]
 _NUMERIC = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
@@ -116,93 +122,392 @@ class DistributedConfig(_Config):
 
 
 _Steps = Literal["no", "steps", "epoch"]
+_SCHEDULES = Literal[
+    "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
+    "inverse_sqrt", "reduce_lr_on_plateau", "warmup_stable_decay", "cosine_with_min_lr",
+    "cosine_warmup_with_min_lr",
+]
 
 
-class TrainingArguments(_Config):
-    """Everything a run needs, validated once at the edge; names and defaults as in HF."""
+def _f(default: Any = MISSING, help: str = "", *, factory: Callable[[], Any] | None = None) -> Any:
+    """A dataclass field with its help text where HfArgumentParser (and our --help) read it."""
+    if factory is not None:
+        return field(default_factory=factory, metadata={"help": help})
+    return field(default=default, metadata={"help": help})
 
-    output_dir: str = Field("trainer_output", description="where checkpoints and logs are written")
-    overwrite_output_dir: bool = Field(False, description="allow writing into a non-empty output_dir")
-    num_train_epochs: float = Field(3.0, description="epochs to train (used when max_steps <= 0)")
-    max_steps: int = Field(-1, description="total optimizer steps; > 0 overrides num_train_epochs")
-    per_device_train_batch_size: int = Field(8, ge=1, description="training batch size per worker")
-    per_device_eval_batch_size: int = Field(8, ge=1, description="evaluation batch size per worker")
-    gradient_accumulation_steps: int = Field(1, ge=1, description="micro-batches per optimizer step")
-    learning_rate: float = Field(5e-5, ge=0, description="peak learning rate")
-    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay (not applied to biases and norms)")
-    adam_beta1: float = Field(0.9, ge=0, lt=1, description="Adam beta1")
-    adam_beta2: float = Field(0.999, ge=0, lt=1, description="Adam beta2")
-    adam_epsilon: float = Field(1e-8, ge=0, description="Adam epsilon")
-    max_grad_norm: float | None = Field(1.0, ge=0, description="gradient clipping norm; null or 0 disables")
-    optim: Literal["adamw_torch", "adamw_torch_fused", "sgd", "adafactor"] = Field(
-        "adamw_torch", description="optimizer"
-    )
-    optim_args: dict[str, Any] | str | None = Field(
-        None, description="extra optimizer arguments, a mapping or 'k=v,k2=v2'"
-    )
-    lr_scheduler_type: Literal[
-        "linear", "cosine", "cosine_with_restarts", "polynomial", "constant",
-        "constant_with_warmup", "inverse_sqrt", "reduce_lr_on_plateau", "warmup_stable_decay",
-    ] = Field("linear", description="learning-rate schedule")
-    lr_scheduler_kwargs: dict[str, Any] = Field(default_factory=dict, description="extra schedule arguments")
-    warmup_steps: int | float = Field(
-        0, description="warmup: an int is a step count, a float in (0, 1) a ratio of total steps"
-    )
-    warmup_ratio: float = Field(0.0, description="warmup as a ratio of total steps (HF compatibility)")
-    logging_strategy: _Steps = Field("steps", description="when to log")
-    logging_steps: float = Field(500, gt=0, description="log every N steps; a float < 1 is a ratio of total steps")
-    logging_first_step: bool = Field(False, description="also log after the first step")
-    eval_strategy: _Steps = Field("no", description="when to evaluate")
-    eval_steps: float | None = Field(
-        None, gt=0, description="evaluate every N steps (ratio if < 1); defaults to logging_steps"
-    )
-    save_strategy: Literal["no", "steps", "epoch", "best"] = Field("steps", description="when to checkpoint")
-    save_steps: float = Field(500, gt=0, description="checkpoint every N steps; a float < 1 is a ratio of total steps")
-    save_total_limit: int | None = Field(None, ge=1, description="keep at most this many checkpoints (best is kept)")
-    load_best_model_at_end: bool = Field(False, description="load the best checkpoint when training ends")
-    metric_for_best_model: str | None = Field(
-        None, description="metric that ranks checkpoints; 'loss' when load_best_model_at_end"
-    )
-    greater_is_better: bool | None = Field(
-        None, description="whether a larger metric is better; if unset, false for *loss metrics, else true"
-    )
-    seed: int = Field(42, ge=0, description="random seed set at the start of training")
-    data_seed: int | None = Field(None, ge=0, description="seed for data shuffling; defaults to seed")
-    full_determinism: bool = Field(False, description="use deterministic algorithms (slower)")
-    bf16: bool = Field(False, description="bfloat16 mixed precision")
-    fp16: bool = Field(False, description="float16 mixed precision with loss scaling (CUDA only)")
-    gradient_checkpointing: bool = Field(False, description="recompute activations to save memory")
-    torch_compile: bool = Field(False, description="compile the model with torch.compile")
-    dataloader_drop_last: bool = Field(False, description="drop the last incomplete batch")
-    logging_nan_inf_filter: bool = Field(True, description="leave nan/inf losses out of the logged mean")
-    skip_memory_metrics: bool = Field(True, description="skip memory profiling metrics")
-    auto_find_batch_size: bool = Field(False, description="halve the batch size on out-of-memory and retry")
-    report_to: str | list[str] = Field(
-        "none", validate_default=True, description="integrations to report to: none, all, or mlflow"
-    )
-    run_name: str | None = Field(None, description="name of the run in the tracking integration")
-    disable_tqdm: bool = Field(False, description="hide progress bars")
-    save_async: bool = Field(False, description="write checkpoints in a background thread")
-    max_nonfinite_steps: int = Field(
-        3, ge=0, description="consecutive steps skipped for non-finite gradients before the run fails"
-    )
-    save_only_model: bool = Field(False, description="checkpoint only the model (cannot resume training)")
-    ignore_data_skip: bool = Field(
-        False, description="on resume, accept a changed batch size, accumulation or dataset length and restart "
-                           "the saved epoch from its first batch (an unchanged run always continues exactly)")
 
-    model: ModelConfig | None = Field(None, description="model section: factory plus its keyword arguments")
-    data: DataConfig | None = Field(None, description="data section: factory plus its keyword arguments")
-    scaling: ScalingConfig = Field(default_factory=ScalingConfig, description="workers and resources")
-    distributed: DistributedConfig = Field(default_factory=DistributedConfig, description="distributed backend")
+@dataclass
+class TrainingArguments:
+    """Everything a run needs, validated once at the edge; names and defaults as in HF.
 
-    @field_validator("logging_strategy", "eval_strategy", "save_strategy", mode="before")
+    A dataclass, as HF's: `TrainingArguments("out", ...)`, `HfArgumentParser(TrainingArguments)` and
+    `@dataclass class MyArgs(TrainingArguments)` work. `__post_init__` (and every later assignment)
+    validates with pydantic and raises a one-line ConfigError naming the field.
+    """
+
+    output_dir: str = _f("trainer_output", "where checkpoints and logs are written")
+    overwrite_output_dir: bool = _f(False, "delete the checkpoints already in output_dir before training")
+    num_train_epochs: float = _f(3.0, "epochs to train (used when max_steps <= 0)")
+    max_steps: int = _f(-1, "total optimizer steps; > 0 overrides num_train_epochs")
+    per_device_train_batch_size: Annotated[int, Field(ge=1)] = _f(8, "training batch size per worker")
+    per_device_eval_batch_size: Annotated[int, Field(ge=1)] = _f(8, "evaluation batch size per worker")
+    gradient_accumulation_steps: Annotated[int, Field(ge=1)] = _f(1, "micro-batches per optimizer step")
+    learning_rate: Annotated[float, Field(ge=0)] = _f(5e-5, "peak learning rate")
+    weight_decay: Annotated[float, Field(ge=0)] = _f(0.0, "AdamW weight decay (not applied to biases and norms)")
+    adam_beta1: Annotated[float, Field(ge=0, lt=1)] = _f(0.9, "Adam beta1")
+    adam_beta2: Annotated[float, Field(ge=0, lt=1)] = _f(0.999, "Adam beta2")
+    adam_epsilon: Annotated[float, Field(ge=0)] = _f(1e-8, "Adam epsilon")
+    max_grad_norm: Annotated[float | None, Field(ge=0)] = _f(1.0, "gradient clipping norm; null or 0 disables")
+    optim: Literal["adamw_torch", "adamw_torch_fused", "sgd", "adafactor"] = _f("adamw_torch", "optimizer")
+    optim_args: dict[str, Any] | str | None = _f(None, "extra optimizer arguments, a mapping or 'k=v,k2=v2'")
+    lr_scheduler_type: _SCHEDULES = _f("linear", "learning-rate schedule")
+    lr_scheduler_kwargs: dict[str, Any] | str | None = _f(
+        None, "extra schedule arguments, a mapping or a JSON string", factory=dict)
+    warmup_steps: float = _f(0, "warmup: an int is a step count, a float in (0, 1) a ratio of total steps")
+    warmup_ratio: float = _f(0.0, "warmup as a ratio of total steps (HF compatibility)")
+    logging_strategy: _Steps = _f("steps", "when to log")
+    logging_steps: Annotated[float, Field(gt=0)] = _f(
+        500, "log every N steps; a float < 1 is a ratio of total steps")
+    logging_first_step: bool = _f(False, "also log after the first step")
+    eval_strategy: _Steps = _f("no", "when to evaluate")
+    eval_steps: Annotated[float | None, Field(gt=0)] = _f(
+        None, "evaluate every N steps (ratio if < 1); defaults to logging_steps")
+    eval_delay: Annotated[float, Field(ge=0)] = _f(
+        0, "epochs (eval_strategy epoch) or steps to wait before the first evaluation")
+    eval_on_start: bool = _f(False, "evaluate once before the first training step (a sanity check)")
+    batch_eval_metrics: bool = _f(
+        False, "call compute_metrics(EvalPrediction, compute_result) per batch instead of once on everything")
+    prediction_loss_only: bool = _f(False, "evaluate only the loss (no predictions kept, no compute_metrics)")
+    eval_accumulation_steps: Annotated[int | None, Field(ge=1)] = _f(
+        None, "accepted for HF compatibility; predictions always move to the CPU after every batch")
+    label_smoothing_factor: Annotated[float, Field(ge=0, lt=1)] = _f(
+        0.0, "label smoothing epsilon for the cross-entropy of the model's logits")
+    save_strategy: Literal["no", "steps", "epoch", "best"] = _f("steps", "when to checkpoint")
+    save_steps: Annotated[float, Field(gt=0)] = _f(
+        500, "checkpoint every N steps; a float < 1 is a ratio of total steps")
+    save_total_limit: Annotated[int | None, Field(ge=1)] = _f(
+        None, "keep at most this many checkpoints in total, the best among them")
+    load_best_model_at_end: bool = _f(False, "load the best checkpoint when training ends")
+    metric_for_best_model: str | None = _f(None, "metric that ranks checkpoints; 'loss' when load_best_model_at_end")
+    greater_is_better: bool | None = _f(
+        None, "whether a larger metric is better; if unset, false for *loss metrics, else true")
+    restore_callback_states_from_checkpoint: bool = _f(
+        False, "on resume, restore the stateful callbacks (e.g. early stopping) with the checkpoint's arguments")
+    seed: Annotated[int, Field(ge=0)] = _f(42, "random seed set at the start of training")
+    data_seed: Annotated[int | None, Field(ge=0)] = _f(None, "seed for data shuffling; defaults to seed")
+    full_determinism: bool = _f(False, "use deterministic algorithms (slower)")
+    bf16: bool = _f(False, "bfloat16 mixed precision")
+    fp16: bool = _f(False, "float16 mixed precision with loss scaling (CUDA only)")
+    tf32: bool | None = _f(None, "allow TF32 matmuls on Ampere+ GPUs (ignored on CPU)")
+    use_cpu: bool = _f(False, "train on the CPU even when a GPU is available")
+    gradient_checkpointing: bool | None = _f(False, "recompute activations to save memory")
+    gradient_checkpointing_kwargs: dict[str, Any] | str | None = _f(
+        None, "arguments for the model's gradient_checkpointing_enable (transformers models)")
+    torch_compile: bool = _f(False, "compile the model with torch.compile")
+    torch_compile_backend: str | None = _f(None, "torch.compile backend (sets torch_compile)")
+    torch_compile_mode: str | None = _f(None, "torch.compile mode (sets torch_compile)")
+    remove_unused_columns: bool = _f(
+        True, "drop dataset columns the model's forward does not take, before collation (as HF)")
+    label_names: list[str] | None = _f(None, "the batch keys that hold labels; default: labels")
+    dataloader_drop_last: bool = _f(False, "drop the last incomplete batch")
+    dataloader_num_workers: Annotated[int, Field(ge=0)] = _f(
+        0, "worker processes that read and collate batches (the order stays deterministic)")
+    dataloader_pin_memory: bool = _f(True, "pin host batches before copying them to the GPU")
+    dataloader_persistent_workers: bool = _f(False, "keep the data worker processes between epochs")
+    dataloader_prefetch_factor: Annotated[int | None, Field(ge=1)] = _f(
+        None, "batches each data worker prepares ahead (default 2 with workers)")
+    logging_nan_inf_filter: bool = _f(True, "leave nan/inf losses out of the logged mean")
+    include_num_input_tokens_seen: str | bool = _f(
+        "no", "count input tokens in state.num_input_tokens_seen: no, all (input_ids) or non_padding")
+    skip_memory_metrics: bool = _f(True, "skip memory profiling metrics")
+    auto_find_batch_size: bool = _f(False, "halve the batch size on out-of-memory and retry")
+    report_to: str | list[str] = _f("none", "integrations to report to: none, all, or mlflow")
+    run_name: str | None = _f(None, "name of the run in the tracking integration")
+    disable_tqdm: bool | None = _f(False, "hide progress bars")
+    log_level: Literal["passive", "debug", "info", "warning", "error", "critical"] = _f(
+        "passive", "level of raytrain's logger on the main process (passive: leave it as it is)")
+    save_async: bool = _f(False, "write checkpoints in a background thread")
+    max_nonfinite_steps: Annotated[int | None, Field(ge=1)] = _f(
+        None, "stop after this many consecutive steps skipped for non-finite gradients; unset: log and continue")
+    save_only_model: bool = _f(False, "checkpoint only the model (cannot resume training)")
+    ignore_data_skip: bool = _f(
+        False, "on resume, restart the saved epoch from its first batch instead of continuing mid-epoch")
+
+    # Accepted so that HF scripts run unchanged; they change nothing here (warned once where a user
+    # might rely on them). See _HF_NOOP_WARNINGS.
+    do_train: bool = _f(False, "read by your script, not by the Trainer (as in HF)")
+    do_eval: bool = _f(False, "read by your script, not by the Trainer (as in HF)")
+    do_predict: bool = _f(False, "read by your script, not by the Trainer (as in HF)")
+    resume_from_checkpoint: str | None = _f(None, "read by your script, not by the Trainer (as in HF)")
+    logging_dir: str | None = _f(None, "accepted for HF compatibility (no TensorBoard here)")
+    log_level_replica: str = _f("warning", "accepted for HF compatibility (other ranks print nothing)")
+    log_on_each_node: bool = _f(True, "accepted for HF compatibility")
+    local_rank: int = _f(-1, "accepted for HF compatibility (Ray Train assigns ranks)")
+    push_to_hub: bool = _f(False, "not supported: the model is saved locally")
+    hub_model_id: str | None = _f(None, "not supported (push_to_hub)")
+    hub_strategy: str = _f("every_save", "not supported (push_to_hub)")
+    hub_token: str | None = _f(None, "not supported (push_to_hub)")
+    hub_private_repo: bool | None = _f(None, "not supported (push_to_hub)")
+    hub_always_push: bool = _f(False, "not supported (push_to_hub)")
+    hub_revision: str | None = _f(None, "not supported (push_to_hub)")
+    eval_do_concat_batches: bool = _f(True, "accepted for HF compatibility (batches are always concatenated)")
+    include_for_metrics: list[str] = _f(None, "accepted for HF compatibility", factory=list)
+    average_tokens_across_devices: bool = _f(True, "accepted: the loss is always normalised across ranks")
+    ddp_find_unused_parameters: bool | None = _f(None, "passed to DDP when set")
+    ddp_backend: str | None = _f(None, "accepted for HF compatibility (gloo on CPU, nccl on GPU)")
+    ddp_timeout: int = _f(1800, "accepted for HF compatibility")
+    fsdp: str | None = _f(None, "HF's FSDP switch: any value selects distributed.strategy fsdp")
+    fsdp_config: dict[str, Any] | str | None = _f(None, "accepted for HF compatibility; use distributed.fsdp")
+    deepspeed: dict[str, Any] | str | None = _f(
+        None, "a DeepSpeed config (mapping or JSON path): selects distributed.strategy deepspeed")
+    accelerator_config: dict[str, Any] | str | None = _f(None, "not supported (no accelerate here)")
+    group_by_length: bool = _f(False, "not supported: batches are a seeded shuffle")
+    length_column_name: str = _f("length", "accepted for HF compatibility")
+    train_sampling_strategy: str = _f("random", "accepted for HF compatibility (random only)")
+    neftune_noise_alpha: float | None = _f(None, "not supported")
+    use_liger_kernel: bool = _f(False, "not supported")
+    torch_empty_cache_steps: int | None = _f(None, "accepted for HF compatibility")
+    save_on_each_node: bool = _f(False, "accepted: rank 0 writes to shared storage")
+    bf16_full_eval: bool = _f(False, "accepted for HF compatibility (evaluation uses the training precision)")
+    fp16_full_eval: bool = _f(False, "accepted for HF compatibility (evaluation uses the training precision)")
+    project: str = _f("huggingface", "accepted for HF compatibility")
+    debug: str | None = _f("", "accepted for HF compatibility")
+
+    model: ModelConfig | None = _f(None, "model section: factory plus its keyword arguments")
+    data: DataConfig | None = _f(None, "data section: factory plus its keyword arguments")
+    scaling: ScalingConfig = _f(None, "workers and resources", factory=ScalingConfig)
+    distributed: DistributedConfig = _f(None, "distributed backend", factory=DistributedConfig)
+
+    def __post_init__(self) -> None:
+        self._validate({})
+        _warn_noop_fields(self)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Assignments after construction are validated as a whole, and rolled back when they fail.
+        if name.startswith("_") or "_validated" not in self.__dict__:
+            object.__setattr__(self, name, value)
+        elif name in _schema().model_fields:
+            self._validate({name: value})
+        elif name in {f.name for f in fields(self)}:  # a field of a user's subclass
+            object.__setattr__(self, name, value)
+        elif isinstance(getattr(type(self), name, None), property):
+            object.__setattr__(self, name, value)  # raises: read-only property
+        else:
+            raise ConfigError(_unknown_field(_schema(), name))
+
+    def _validate(self, changes: dict[str, Any]) -> None:
+        schema = _schema()
+        values = {name: changes.get(name, getattr(self, name)) for name in schema.model_fields}
+        checked = schema(**values)
+        for name in schema.model_fields:
+            object.__setattr__(self, name, getattr(checked, name))
+        object.__setattr__(self, "_validated", True)
+
+    # --- derived values (HF's names) ------------------------------------------------------
+
+    @property
+    def train_batch_size(self) -> int:
+        """Batch size per worker for training (HF: per device)."""
+        return self.per_device_train_batch_size
+
+    @property
+    def eval_batch_size(self) -> int:
+        """Batch size per worker for evaluation."""
+        return self.per_device_eval_batch_size
+
+    @property
+    def world_size(self) -> int:
+        """Processes training together: the live process group's size, else scaling.num_workers."""
+        dist = _dist()
+        return dist.get_world_size() if dist is not None else self.scaling.num_workers
+
+    @property
+    def process_index(self) -> int:
+        dist = _dist()
+        return dist.get_rank() if dist is not None else 0
+
+    @property
+    def local_process_index(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", 0)) if _dist() is not None else 0
+
+    @property
+    def should_save(self) -> bool:
+        """Whether this process writes files (the main process)."""
+        return self.process_index == 0
+
+    @property
+    def should_log(self) -> bool:
+        return self.process_index == 0
+
+    @property
+    def device(self):
+        """The torch device this process trains on."""
+        import torch
+
+        if not self.use_cpu and torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    @property
+    def n_gpu(self) -> int:
+        """GPUs this process uses: 1 with CUDA (one per Ray worker), else 0."""
+        return int(self.device.type == "cuda")
+
+    @property
+    def parallel_mode(self) -> str:
+        return "distributed" if self.world_size > 1 else "not_parallel"
+
+    @property
+    def should_use_distributed(self) -> bool:
+        return self.scaling.num_workers > 1
+
+    @property
+    def label_keys(self) -> list[str]:
+        return list(self.label_names) if self.label_names else ["labels"]
+
+    def resolve_steps(self, max_steps: int) -> tuple[int, int, int]:
+        """(logging_steps, eval_steps, save_steps) as ints; ratios become ceil(max_steps * ratio)."""
+
+        def resolve(v: float) -> int:
+            return math.ceil(max_steps * v) if v < 1 else int(v)
+
+        eval_steps = self.eval_steps if self.eval_steps is not None else self.logging_steps
+        return resolve(self.logging_steps), resolve(eval_steps), resolve(self.save_steps)
+
+    def get_warmup_steps(self, num_training_steps: int) -> int:
+        """Warmup step count: warmup_steps if a count, else ceil(ratio * num_training_steps)."""
+        if isinstance(self.warmup_steps, int) and self.warmup_steps > 0:
+            return self.warmup_steps
+        ratio = self.warmup_steps or self.warmup_ratio
+        return math.ceil(ratio * num_training_steps)
+
+    # --- (de)serialization -----------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every field as plain JSON values (sections as mappings)."""
+        return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
+
+    def to_json_string(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def to_sanitized_dict(self) -> dict[str, Any]:
+        """HF's name: the fields as scalars, for tracking integrations."""
+        return {k: v if isinstance(v, (bool, int, float, str)) else str(v) for k, v in self.to_dict().items()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainingArguments:
+        if not isinstance(d, dict):
+            raise ConfigError(f"config: expected a mapping of fields, got {type(d).__name__}")
+        names = {f.name for f in fields(cls) if f.init}
+        unknown = [k for k in d if k not in names]
+        if unknown:
+            raise ConfigError(_unknown_field(_schema(), unknown[0]))
+        return cls(**d)
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike, overrides: list[str] | None = None) -> TrainingArguments:
+        """Read a YAML config, apply "dotted.key=value" overrides, then validate."""
+        try:
+            with open(path) as f:
+                d = yaml.safe_load(f)
+        except FileNotFoundError:
+            raise ConfigError(f"config file not found: {os.fspath(path)!r}") from None
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            where = f" line {mark.line + 1}" if mark else ""
+            what = getattr(e, "problem", None) or type(e).__name__
+            raise ConfigError(f"invalid YAML in {os.fspath(path)}{where}: {what}") from None
+        if d is None:
+            d = {}
+        if not isinstance(d, dict):
+            raise ConfigError(f"{os.fspath(path)}: top level must be a mapping of fields, got {type(d).__name__}")
+        return cls.from_dict(apply_overrides(d, overrides or []))
+
+
+_dataclass_init = TrainingArguments.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init(self, *args: Any, **kwargs: Any) -> None:
+    # A misspelt keyword gets the closest field's name (a TypeError too, as HF's dataclass raises).
+    names = {f.name for f in fields(TrainingArguments)}
+    for key in kwargs:
+        if key not in names:
+            raise UnknownFieldError(_unknown_field(_schema(), key))
+    _dataclass_init(self, *args, **kwargs)
+
+
+TrainingArguments.__init__ = _init  # type: ignore[method-assign]
+
+
+class UnknownFieldError(ConfigError, TypeError):
+    """A keyword that is no field of TrainingArguments."""
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, BaseModel):
+        return v.model_dump(mode="json")
+    if isinstance(v, Enum):
+        return v.value
+    return copy.deepcopy(v)
+
+
+def _dist():
+    """torch.distributed when a process group is live, else None (without importing torch)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return None
+    return torch.distributed
+
+
+_HF_NOOP_WARNINGS = {
+    "push_to_hub": "push_to_hub is not supported; the model is saved locally in output_dir",
+    "accelerator_config": "accelerator_config is not supported (no accelerate); use the scaling section",
+    "group_by_length": "group_by_length is not supported; batches are a seeded shuffle",
+    "neftune_noise_alpha": "neftune_noise_alpha is not supported; no embedding noise is added",
+    "use_liger_kernel": "use_liger_kernel is not supported; the model's own kernels are used",
+    "logging_dir": "logging_dir is not used (no TensorBoard); logs are in trainer_state.json and MLflow",
+    "fsdp_config": "fsdp_config is not used; put FSDP options in distributed.fsdp",
+}
+_warned: set[str] = set()
+
+
+def _warn_noop_fields(args: TrainingArguments) -> None:
+    """Warn once per process for each accepted-but-ignored field set away from its default."""
+    defaults = {f.name: f.default for f in fields(TrainingArguments) if f.default is not MISSING}
+    for name, message in _HF_NOOP_WARNINGS.items():
+        if getattr(args, name) not in (defaults[name], None) and name not in _warned:
+            _warned.add(name)
+            logger.warning(message)
+
+
+class _Rules(_Config):
+    """The validators of TrainingArguments; the schema model adds the fields from the dataclass."""
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _enum_values(cls, v: Any) -> Any:
+        return v.value if isinstance(v, Enum) else v  # HF's SchedulerType.COSINE and friends
+
+    @field_validator("logging_strategy", "eval_strategy", "save_strategy", mode="before", check_fields=False)
     @classmethod
     def _yaml_no(cls, v: Any) -> Any:
         # YAML 1.1 reads a bare `no` as false: `save_strategy: no` means "no".
         return "no" if v is False else v
 
-    @field_validator("optim_args")
+    @field_validator("output_dir", mode="before", check_fields=False)
+    @classmethod
+    def _default_output_dir(cls, v: Any) -> Any:
+        return "trainer_output" if v is None else v
+
+    @field_validator("gradient_checkpointing", "disable_tqdm", mode="before", check_fields=False)
+    @classmethod
+    def _none_is_false(cls, v: Any) -> Any:
+        return False if v is None else v
+
+    @field_validator("optim_args", check_fields=False)
     @classmethod
     def _parse_optim_args(cls, v: Any) -> Any:
         if not isinstance(v, str):
@@ -215,39 +520,55 @@ class TrainingArguments(_Config):
             out[key.strip()] = _parse_scalar(value.strip())
         return out
 
-    @field_validator("warmup_steps")
+    @field_validator("lr_scheduler_kwargs", "gradient_checkpointing_kwargs", "fsdp_config", "deepspeed",
+                     mode="before", check_fields=False)
     @classmethod
-    def _check_warmup_steps(cls, v: int | float) -> int | float:
-        if v < 0:
-            raise ValueError(f"must be >= 0, got {v}")
-        if isinstance(v, float):
-            if v >= 1 and v.is_integer():
-                return int(v)
-            if v >= 1:
-                raise ValueError(f"a float must be a ratio in (0, 1), got {v}")
-            if v == 0:
-                return 0
+    def _parse_json_mapping(cls, v: Any, info) -> Any:
+        if isinstance(v, str) and v.strip().startswith("{"):
+            try:
+                return json.loads(v)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"expected a mapping or a JSON object, got {_value(v)} ({e.msg})") from None
+        if v is None and info.field_name == "lr_scheduler_kwargs":
+            return {}
         return v
 
-    @field_validator("warmup_ratio")
+    @field_validator("include_num_input_tokens_seen", check_fields=False)
+    @classmethod
+    def _tokens_seen(cls, v: str | bool) -> str:
+        v = {True: "all", False: "no"}.get(v, v) if isinstance(v, bool) else v
+        if v not in ("no", "all", "non_padding"):
+            raise ValueError(f"must be one of no, all, non_padding (or true/false), got {_value(v)}")
+        return v
+
+    @field_validator("warmup_steps", check_fields=False)
+    @classmethod
+    def _check_warmup_steps(cls, v: float) -> int | float:
+        if v < 0:
+            raise ValueError(f"must be >= 0, got {_num(v)}")
+        if v >= 1 and not float(v).is_integer():
+            raise ValueError(f"a float must be a ratio in (0, 1), got {v}")
+        return int(v) if float(v).is_integer() else v
+
+    @field_validator("warmup_ratio", check_fields=False)
     @classmethod
     def _check_warmup_ratio(cls, v: float) -> float:
         if not 0 <= v < 1:
             raise ValueError(f"a float must be a ratio in (0, 1), got {v}")
         return v
 
-    @field_validator("logging_steps", "eval_steps", "save_steps")
+    @field_validator("logging_steps", "eval_steps", "save_steps", check_fields=False)
     @classmethod
     def _check_steps(cls, v: float | None) -> float | None:
         if v is not None and v >= 1 and not float(v).is_integer():
             raise ValueError(f"must be an integer step count or a ratio < 1, got {v}")
         return v
 
-    @field_validator("report_to")
+    @field_validator("report_to", mode="before", check_fields=False)
     @classmethod
-    def _normalize_report_to(cls, v: str | list[str]) -> list[str]:
+    def _normalize_report_to(cls, v: Any) -> list[str]:
         out: list[str] = []
-        for name in [v] if isinstance(v, str) else v:
+        for name in [] if v is None else [v] if isinstance(v, str) else v:
             if name == "all":
                 out += SUPPORTED_INTEGRATIONS
             elif name in SUPPORTED_INTEGRATIONS:
@@ -258,7 +579,7 @@ class TrainingArguments(_Config):
         return list(dict.fromkeys(out))
 
     @model_validator(mode="after")
-    def _check_combinations(self) -> TrainingArguments:
+    def _check_combinations(self):
         # Derived defaults go through __dict__: assigning would re-run this validator.
         if self.eval_strategy == "steps" and self.eval_steps is None:
             self.__dict__["eval_steps"] = self.logging_steps
@@ -266,6 +587,9 @@ class TrainingArguments(_Config):
             self.__dict__["metric_for_best_model"] = "loss"
         if self.metric_for_best_model is not None and self.greater_is_better is None:
             self.__dict__["greater_is_better"] = not self.metric_for_best_model.endswith("loss")
+        if self.torch_compile_backend or self.torch_compile_mode:
+            self.__dict__["torch_compile"] = True
+        self._apply_hf_backends()
 
         if self.max_steps <= 0 and self.num_train_epochs <= 0:
             raise ConfigError("max_steps and num_train_epochs: set max_steps > 0 or num_train_epochs > 0")
@@ -279,13 +603,21 @@ class TrainingArguments(_Config):
         if self.fp16 and not self.scaling.use_gpu:
             import torch
 
-            if not torch.cuda.is_available():
+            if not torch.cuda.is_available() or self.use_cpu:
                 raise ConfigError("fp16 requires a CUDA GPU (none found and scaling.use_gpu is false); use bf16 on CPU")
         if self.save_strategy == "best" and self.metric_for_best_model is None:
             raise ConfigError("save_strategy='best' requires metric_for_best_model to be set")
         if self.load_best_model_at_end:
             self._check_load_best()
         return self
+
+    def _apply_hf_backends(self) -> None:
+        """HF's top-level `deepspeed` / `fsdp` switches select our distributed backend."""
+        dist = self.distributed
+        if self.deepspeed and dist.strategy == "auto":
+            dist.__dict__.update(strategy="deepspeed", deepspeed=dist.deepspeed or self.deepspeed)
+        elif self.fsdp and dist.strategy == "auto":
+            dist.__dict__["strategy"] = "fsdp"
 
     def _check_load_best(self) -> None:
         if self.eval_strategy == "no":
@@ -309,77 +641,22 @@ class TrainingArguments(_Config):
                 f"load_best_model_at_end requires save_steps ({_num(save)}) to be a multiple of eval_steps ({_num(ev)})"
             )
 
-    # --- derived values ---------------------------------------------------------------
 
-    @property
-    def train_batch_size(self) -> int:
-        """Batch size per worker for training (HF: per device)."""
-        return self.per_device_train_batch_size
-
-    @property
-    def eval_batch_size(self) -> int:
-        """Batch size per worker for evaluation."""
-        return self.per_device_eval_batch_size
-
-    @property
-    def world_size(self) -> int:
-        return self.scaling.num_workers
-
-    @property
-    def should_use_distributed(self) -> bool:
-        return self.scaling.num_workers > 1
-
-    def resolve_steps(self, max_steps: int) -> tuple[int, int, int]:
-        """(logging_steps, eval_steps, save_steps) as ints; ratios become ceil(max_steps * ratio)."""
-
-        def resolve(v: float) -> int:
-            return math.ceil(max_steps * v) if v < 1 else int(v)
-
-        eval_steps = self.eval_steps if self.eval_steps is not None else self.logging_steps
-        return resolve(self.logging_steps), resolve(eval_steps), resolve(self.save_steps)
-
-    def get_warmup_steps(self, num_training_steps: int) -> int:
-        """Warmup step count: warmup_steps if a count, else ceil(ratio * num_training_steps)."""
-        if isinstance(self.warmup_steps, int) and self.warmup_steps > 0:
-            return self.warmup_steps
-        ratio = self.warmup_steps or self.warmup_ratio
-        return math.ceil(ratio * num_training_steps)
-
-    # --- (de)serialization -----------------------------------------------------------
-
-    def to_dict(self) -> dict[str, Any]:
-        return self.model_dump(mode="json")
-
-    def to_json_string(self) -> str:
-        return json.dumps(self.to_dict(), indent=2)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> TrainingArguments:
-        if not isinstance(d, dict):
-            raise ConfigError(f"config: expected a mapping of fields, got {type(d).__name__}")
-        try:
-            return cls.model_validate(d)
-        except ValidationError as e:
-            raise ConfigError(_first_error(cls, e)) from None
-
-    @classmethod
-    def from_yaml(cls, path: str | os.PathLike, overrides: list[str] | None = None) -> TrainingArguments:
-        """Read a YAML config, apply "dotted.key=value" overrides, then validate."""
-        try:
-            with open(path) as f:
-                d = yaml.safe_load(f)
-        except FileNotFoundError:
-            raise ConfigError(f"config file not found: {os.fspath(path)!r}") from None
-        except yaml.YAMLError as e:
-            mark = getattr(e, "problem_mark", None)
-            where = f" line {mark.line + 1}" if mark else ""
-            what = getattr(e, "problem", None) or type(e).__name__
-            raise ConfigError(f"invalid YAML in {os.fspath(path)}{where}: {what}") from None
-        if d is None:
-            d = {}
-        if not isinstance(d, dict):
-            raise ConfigError(f"{os.fspath(path)}: top level must be a mapping of fields, got {type(d).__name__}")
-        return cls.from_dict(apply_overrides(d, overrides or []))
+@functools.cache
+def _schema() -> type[_Config]:
+    """The pydantic model that validates TrainingArguments: its fields, types and help, plus _Rules."""
+    hints = get_type_hints(TrainingArguments, include_extras=True)
+    spec = {}
+    for f in fields(TrainingArguments):
+        if f.default_factory is not MISSING:
+            info = Field(default_factory=f.default_factory, description=f.metadata["help"])
+        else:
+            info = Field(default=f.default, description=f.metadata["help"])
+        annotation = hints[f.name]
+        if f.name == "warmup_steps":
+            annotation = float  # validated as a number; _check_warmup_steps makes whole numbers ints
+        spec[f.name] = (annotation, info)
+    return create_model("TrainingArguments", __base__=_Rules, **spec)
 
 
 # --- overrides and help ----------------------------------------------------------------
@@ -425,7 +702,7 @@ _SECTIONS: dict[str, type[_Config]] = {
 
 
 def _field_names() -> list[str]:
-    names = list(TrainingArguments.model_fields)
+    names = list(_schema().model_fields)
     for section, model in _SECTIONS.items():
         names += [f"{section}.{n}" for n in model.model_fields]
     return names
@@ -443,7 +720,7 @@ def cli_help() -> str:
         section, _, leaf = name.rpartition(".")
         if not section and name in _SECTIONS:
             continue
-        info = (_SECTIONS[section] if section else TrainingArguments).model_fields[leaf]
+        info = (_SECTIONS[section] if section else _schema()).model_fields[leaf]
         text = info.description or ""
         if get_origin(info.annotation) is Literal:
             text += f" (one of: {', '.join(map(str, get_args(info.annotation)))})"
@@ -477,7 +754,7 @@ def _num(v: float | None) -> Any:
 
 
 def _unknown_field(root: type[BaseModel], name: str) -> str:
-    names = _field_names() if root is TrainingArguments else list(root.model_fields)
+    names = _field_names() if root is _schema() else list(root.model_fields)
     match = difflib.get_close_matches(name, names, n=1)
     if match:
         return f"unknown field {name!r}: did you mean {match[0]!r}?"

@@ -7,6 +7,7 @@ back into the same TrainOutput, TrainerState and weights an in-process train() w
 
 from __future__ import annotations
 
+import copy
 import io
 import logging
 import os
@@ -47,7 +48,7 @@ def run_distributed(trainer, resume_from_checkpoint=None) -> TrainOutput:
 
     args = trainer.args
     ensure_ray()
-    worker_args = args.model_copy(deep=True)
+    worker_args = copy.deepcopy(args)
     # Ray Train moves workers into the run's directory: every path they get must be absolute.
     worker_args.output_dir = os.path.abspath(args.output_dir)
     if isinstance(resume_from_checkpoint, (str, os.PathLike)) and resume_from_checkpoint != "auto":

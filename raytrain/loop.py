@@ -217,7 +217,7 @@ def _account_nonfinite(run: _Run, stepped: bool) -> None:
     limit = run.trainer.args.max_nonfinite_steps
     logger.warning("step %d: non-finite gradients (grad_norm=%s); optimizer step skipped", step,
                    float(run.grad_norm))
-    if len(run.nonfinite) >= limit:
+    if limit is not None and len(run.nonfinite) >= limit:
         raise NonFiniteError(
             f"non-finite gradients at steps {', '.join(map(str, run.nonfinite))} ({limit} in a row); "
             "lower learning_rate, set max_grad_norm, or use bf16; the last checkpoint is unaffected")

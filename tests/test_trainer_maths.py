@@ -235,16 +235,26 @@ def test_single_nan_step_is_skipped_and_filtered_from_logs(tmp_path):
     assert math.isfinite(losses[0]) and math.isnan(losses[1]) and math.isfinite(losses[2])
 
 
-def test_consecutive_nan_steps_raise_naming_the_steps(tmp_path):
+def test_consecutive_nan_steps_raise_naming_the_steps_when_limited(tmp_path):
     trainer = Trainer(NanAt({3, 4, 5}), args_for(tmp_path, max_steps=6, per_device_train_batch_size=4,
-                                                 learning_rate=0.1), train_dataset=nan_data())
+                                                 learning_rate=0.1, max_nonfinite_steps=3), train_dataset=nan_data())
     with pytest.raises(NonFiniteError, match=r"non-finite gradients at steps 3, 4, 5 \(3 in a row\)"):
         trainer.train()
     assert trainer.state.global_step == 5
 
 
+def test_nan_steps_by_default_are_skipped_and_the_run_continues_as_hf(tmp_path):
+    snaps = Snapshots()
+    trainer = Trainer(NanAt({3, 4, 5}), args_for(tmp_path, max_steps=6, per_device_train_batch_size=4,
+                                                 learning_rate=0.1), train_dataset=nan_data(), callbacks=[snaps])
+    out = trainer.train()
+    assert out.global_step == 6 and out.metrics["train_skipped_steps"] == 3
+    for step in (3, 4, 5):  # never an optimizer step on non-finite gradients
+        assert all(torch.equal(snaps.before[step][k], snaps.after[step][k]) for k in snaps.before[step])
+
+
 def test_nan_steps_not_in_a_row_do_not_raise(tmp_path):
     trainer = Trainer(NanAt({2, 3, 5, 6}), args_for(tmp_path, max_steps=6, per_device_train_batch_size=4,
-                                                    learning_rate=0.1), train_dataset=nan_data())
+                                                    learning_rate=0.1, max_nonfinite_steps=3), train_dataset=nan_data())
     out = trainer.train()
     assert out.global_step == 6 and out.metrics["train_skipped_steps"] == 4
