@@ -547,16 +547,22 @@ def get_last_checkpoint(output_dir: str) -> str | None:
 
 def rotate_checkpoints(output_dir: str, save_total_limit: int | None, best_model_checkpoint: str | None,
                        protect: str | None = None) -> list[str]:
-    """Keep the newest `save_total_limit` checkpoints plus the best one and `protect` (the one just
-    written, which resume would use); return what was deleted."""
+    """Keep at most `save_total_limit` checkpoints in total, as HF: the oldest go first, never the
+    newest (`protect`, the one just written, which resume would use) nor the best; return what was
+    deleted."""
     if not save_total_limit or save_total_limit <= 0:
         return []
     ckpts = [os.path.abspath(p) for _, p in sorted_checkpoints(output_dir)]
-    keep = set(ckpts[-save_total_limit:])
-    keep.update(os.path.abspath(p) for p in (best_model_checkpoint, protect) if p)
+    keep = {os.path.abspath(p) for p in (best_model_checkpoint, protect) if p}
+    if ckpts:
+        keep.add(ckpts[-1])
+    remaining, limit = len(ckpts), max(save_total_limit, len(keep & set(ckpts)))
     deleted = []
     for p in ckpts:
+        if remaining <= limit:
+            break
         if p not in keep:
             shutil.rmtree(p, ignore_errors=True)
             deleted.append(p)
+            remaining -= 1
     return deleted

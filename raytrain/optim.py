@@ -106,6 +106,27 @@ def _cosine(step: int, *, num_warmup_steps: int, num_training_steps: int, num_cy
     return max(0.0, 0.5 * (1.0 + math.cos(math.pi * float(num_cycles) * 2.0 * progress)))
 
 
+def _cosine_with_min_lr(step: int, *, num_warmup_steps: int, num_training_steps: int, num_cycles: float,
+                        min_lr_rate: float) -> float:
+    if step < num_warmup_steps:
+        return _warmup(step, num_warmup_steps)
+    progress = _progress(step, num_warmup_steps, num_training_steps)
+    factor = 0.5 * (1.0 + math.cos(math.pi * float(num_cycles) * 2.0 * progress))
+    return max(0.0, factor * (1 - min_lr_rate) + min_lr_rate)
+
+
+def _cosine_warmup_with_min_lr(step: int, *, num_warmup_steps: int, num_training_steps: int, num_cycles: float,
+                               min_lr_rate: float, warmup_lr_rate: float | None) -> float:
+    # transformers' variant: warmup starts at warmup_lr_rate (else 1/warmup) and decay is one step ahead.
+    if step < num_warmup_steps:
+        if warmup_lr_rate is None:
+            return (step + 1.0) / max(1.0, num_warmup_steps)
+        return warmup_lr_rate + (1.0 - warmup_lr_rate) * step / max(1, num_warmup_steps - 1)
+    progress = (step - num_warmup_steps + 1.0) / max(1.0, num_training_steps - num_warmup_steps)
+    factor = 0.5 * (1.0 + math.cos(math.pi * num_cycles * 2.0 * progress))
+    return max(0.0, factor * (1 - min_lr_rate) + min_lr_rate)
+
+
 def _cosine_with_restarts(step: int, *, num_warmup_steps: int, num_training_steps: int, num_cycles: int) -> float:
     if step < num_warmup_steps:
         return _warmup(step, num_warmup_steps)
@@ -185,6 +206,9 @@ _SCHEDULES: dict[str, tuple[Any, dict[str, Any]]] = {
     "linear": (_linear, {}),
     "cosine": (_cosine, {"num_cycles": 0.5}),
     "cosine_with_restarts": (_cosine_with_restarts, {"num_cycles": 1}),
+    "cosine_with_min_lr": (_cosine_with_min_lr, {"num_cycles": 0.5, "min_lr": None, "min_lr_rate": None}),
+    "cosine_warmup_with_min_lr": (_cosine_warmup_with_min_lr, {"num_cycles": 0.5, "min_lr": None, "min_lr_rate": None,
+                                                               "warmup_lr_rate": None}),
     "polynomial": (_polynomial, {"lr_end": 1e-7, "power": 1.0}),
     "constant": (_constant, {}),
     "constant_with_warmup": (_constant_with_warmup, {}),
@@ -222,6 +246,8 @@ def create_scheduler(
         kwargs["timescale"] = warmup or 10_000
     elif name == "warmup_stable_decay":
         _resolve_wsd(kwargs, warmup, num_training_steps)
+    elif name.endswith("with_min_lr"):
+        _resolve_min_lr(kwargs, optimizer.defaults["lr"])
     lr_lambda = partial(fn, num_warmup_steps=warmup, num_training_steps=num_training_steps, **kwargs)
     return LambdaLR(optimizer, lr_lambda)
 
@@ -245,6 +271,16 @@ def _resolve_wsd(kwargs: dict[str, Any], warmup: int, total: int) -> None:
     if kwargs["num_stable_steps"] < 0 or kwargs["num_decay_steps"] < 0:
         raise ValueError(f"lr_scheduler_kwargs: warmup ({warmup}) + num_stable_steps + num_decay_steps "
                          f"do not fit in {total} training steps")
+
+
+def _resolve_min_lr(kwargs: dict[str, Any], lr: float) -> None:
+    """min_lr (absolute) or min_lr_rate (a ratio of the learning rate): exactly one, as transformers."""
+    min_lr, rate = kwargs.pop("min_lr"), kwargs["min_lr_rate"]
+    if (min_lr is None) == (rate is None):
+        raise ValueError("lr_scheduler_kwargs: set exactly one of min_lr or min_lr_rate "
+                         f"(got min_lr={min_lr}, min_lr_rate={rate})")
+    if min_lr is not None:
+        kwargs["min_lr_rate"] = min_lr / lr
 
 
 def _init_keys(cls: type) -> set[str]:

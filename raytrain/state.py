@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -38,6 +39,13 @@ class TrainerState:
     def to_json_string(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True) + "\n"
 
+    def compute_steps(self, args, max_steps: int) -> None:
+        """logging/eval/save steps as counts: a ratio (< 1) becomes ceil(max_steps * ratio), as HF."""
+        for kind in ("logging", "eval", "save"):
+            n = getattr(args, f"{kind}_steps")
+            if n is not None:
+                setattr(self, f"{kind}_steps", math.ceil(max_steps * n) if n < 1 else int(n))
+
     def save_to_json(self, json_path: str) -> None:
         with open(json_path, "w", encoding="utf-8") as f:
             f.write(self.to_json_string())
@@ -59,6 +67,10 @@ class TrainerControl:
     should_save: bool = False
     should_evaluate: bool = False
     should_log: bool = False
+
+    def state(self) -> dict:
+        """As HF: TrainerControl rides in trainer_state.json's stateful_callbacks."""
+        return {"args": dataclasses.asdict(self), "attributes": {}}
 
     def _new_training(self) -> None:
         self.should_training_stop = False

@@ -125,6 +125,37 @@ def test_polynomial_rejects_lr_end_above_lr():
         lr_trace("polynomial", {"lr_end": 1.0})
 
 
+@pytest.mark.parametrize("kwargs, rate", [({"min_lr": LR / 10}, 0.1), ({"min_lr_rate": 0.25, "num_cycles": 0.7}, 0.25)])
+def test_cosine_with_min_lr(kwargs, rate):
+    cycles = kwargs.get("num_cycles", 0.5)
+
+    def f(s):
+        if s < W:
+            return s / W
+        factor = 0.5 * (1 + math.cos(math.pi * cycles * 2 * (s - W) / (T - W)))
+        return max(0.0, factor * (1 - rate) + rate)
+    assert_matches(lr_trace("cosine_with_min_lr", kwargs), f)
+
+
+@pytest.mark.parametrize("warmup_lr_rate", [None, 0.05])
+def test_cosine_warmup_with_min_lr(warmup_lr_rate):
+    rate = 0.2
+
+    def f(s):
+        if s < W:
+            return (s + 1) / W if warmup_lr_rate is None else warmup_lr_rate + (1 - warmup_lr_rate) * s / (W - 1)
+        factor = 0.5 * (1 + math.cos(math.pi * 0.5 * 2 * (s - W + 1) / (T - W)))
+        return max(0.0, factor * (1 - rate) + rate)
+    kwargs = {"min_lr_rate": rate, "warmup_lr_rate": warmup_lr_rate}
+    assert_matches(lr_trace("cosine_warmup_with_min_lr", kwargs), f)
+
+
+def test_min_lr_schedules_need_exactly_one_of_min_lr_and_rate():
+    for kwargs in ({}, {"min_lr": 0.01, "min_lr_rate": 0.1}):
+        with pytest.raises(ValueError, match=r"^lr_scheduler_kwargs: set exactly one of min_lr or min_lr_rate"):
+            lr_trace("cosine_with_min_lr", kwargs)
+
+
 def test_constant_ignores_warmup():
     assert_matches(lr_trace("constant"), lambda s: 1.0)
 

@@ -20,6 +20,15 @@ class EarlyStoppingCallback(TrainerCallback, ExportableState):
         self.early_stopping_threshold = early_stopping_threshold
         self.early_stopping_patience_counter = 0
 
+    def check_metric_value(self, args, state, control, metric_value) -> None:
+        """As HF: compare with the run's best so far (state.best_metric, updated after this event)."""
+        better = np.greater if args.greater_is_better else np.less
+        best = state.best_metric
+        if best is None or (better(metric_value, best) and abs(metric_value - best) > self.early_stopping_threshold):
+            self.early_stopping_patience_counter = 0
+        else:
+            self.early_stopping_patience_counter += 1
+
     def on_train_begin(self, args, state, control, **kwargs):
         if not args.metric_for_best_model:
             raise ValueError("EarlyStoppingCallback requires metric_for_best_model "
@@ -35,13 +44,7 @@ class EarlyStoppingCallback(TrainerCallback, ExportableState):
             logger.warning("early stopping: metric %s not in the evaluation metrics %s; not counting",
                            key, sorted(metrics or {}))
             return
-        # As HF: compare with the run's best so far (state.best_metric, updated after this event).
-        better = np.greater if args.greater_is_better else np.less
-        best = state.best_metric
-        if best is None or (better(value, best) and abs(value - best) > self.early_stopping_threshold):
-            self.early_stopping_patience_counter = 0
-        else:
-            self.early_stopping_patience_counter += 1
+        self.check_metric_value(args, state, control, value)
         if self.early_stopping_patience_counter >= self.early_stopping_patience:
             control.should_training_stop = True
 

@@ -14,12 +14,15 @@ class DefaultFlowCallback(TrainerCallback):
             control.should_log = True
         if args.logging_strategy == "steps" and state.logging_steps > 0 and step % state.logging_steps == 0:
             control.should_log = True
-        if args.eval_strategy == "steps" and state.eval_steps > 0 and step % state.eval_steps == 0:
+        evaluating_steps = args.eval_strategy == "steps" and state.eval_steps > 0 and args.eval_delay <= step
+        if evaluating_steps and step % state.eval_steps == 0:
             control.should_evaluate = True
         if args.save_strategy == "steps" and state.save_steps > 0 and step % state.save_steps == 0:
             control.should_save = True
         if step >= state.max_steps:
             control.should_training_stop = True
+            if evaluating_steps and step % state.eval_steps != 0:
+                control.should_evaluate = True  # the final step is always evaluated, as HF 5
             # A run always ends with a checkpoint. With save_strategy "epoch" it is the epoch-end
             # save (on_epoch_end fires after the last step), which follows the epoch-end evaluation,
             # so the last epoch can become the best checkpoint.
@@ -30,7 +33,7 @@ class DefaultFlowCallback(TrainerCallback):
     def on_epoch_end(self, args, state, control, **kwargs):
         if args.logging_strategy == "epoch":
             control.should_log = True
-        if args.eval_strategy == "epoch":
+        if args.eval_strategy == "epoch" and args.eval_delay <= (state.epoch or 0):
             control.should_evaluate = True
         if args.save_strategy == "epoch":
             control.should_save = True
