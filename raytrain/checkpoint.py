@@ -309,6 +309,7 @@ class CheckpointPayload:
     pickles: dict[str, Any] = field(default_factory=dict)
     jsons: dict[str, Any] = field(default_factory=dict)
     sharded_writer: Callable[[str], None] | None = None  # runs synchronously, on every rank
+    extra_files: Callable[[str], None] | None = None     # rank 0's small files (HF config, tokenizer), synchronously
 
 
 def _to_host(obj: Any, memo: dict | None = None) -> Any:
@@ -379,6 +380,8 @@ class CheckpointWriter:
         self.barrier()
         if payload.sharded_writer is not None:
             payload.sharded_writer(tmp)
+        if payload.extra_files is not None and self.rank == 0:
+            payload.extra_files(tmp)  # hashed into the manifest when the checkpoint is sealed
         if self._pool is None or self.world_size > 1:
             # Distributed saves stay synchronous: the rename needs a barrier on the main thread.
             self._write(step, tmp, final, payload, after)
@@ -478,10 +481,32 @@ def _maybe_pause(tmp: str, step: int) -> None:
 # ---------------------------------------------------------------- verify, find, rotate
 
 
-def verify_checkpoint(path: str) -> dict:
+def is_weights_file(rel: str) -> bool:
+    return rel in (WEIGHTS, WEIGHTS_INDEX) or bool(re.fullmatch(r"model-\d+-of-\d+\.safetensors", rel))
+
+
+def weights_resaved_elsewhere(path: str) -> bool:
+    """Whether the weights in `path` load and were written by another tool (save_pretrained): raytrain
+    records tied-weight aliases in every weights file's metadata, others do not."""
+    from safetensors import safe_open
+
+    names = [n for n in os.listdir(path) if n.endswith(".safetensors")]
+    try:
+        load_weights(path)
+        for name in names:
+            with safe_open(os.path.join(path, name), "pt") as f:
+                if "aliases" in (f.metadata() or {}):
+                    return False
+    except (CheckpointError, SafetensorError, OSError):
+        return False
+    return bool(names)
+
+
+def verify_checkpoint(path: str, ignore_weights: bool = False) -> dict:
     """Check a checkpoint against its manifest (every file present, same size, same sha256, json
     parsable; weights and trainer_state.json included); return the manifest or raise a
-    CheckpointError naming the bad file and the reason."""
+    CheckpointError naming the bad file and the reason. ignore_weights skips the weights files (for
+    a checkpoint whose weights were re-saved, e.g. by save_pretrained, and are checked by loading)."""
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: not a checkpoint directory (it does not exist or is a file)")
     mpath = os.path.join(path, MANIFEST)
@@ -500,9 +525,11 @@ def verify_checkpoint(path: str) -> dict:
         raise CheckpointError(f"{mpath}: format_version {version!r} is newer than this raytrain reads "
                               f"({FORMAT_VERSION}); upgrade raytrain")
     for required in (WEIGHTS if WEIGHTS_INDEX not in files else WEIGHTS_INDEX, TRAINER_STATE):
-        if required not in files:
+        if required not in files and not (ignore_weights and is_weights_file(required)):
             raise CheckpointError(f"{os.path.join(path, required)}: missing (not in the manifest)")
     for rel, meta in files.items():
+        if ignore_weights and is_weights_file(rel):
+            continue
         fpath = os.path.join(path, rel)
         if not os.path.isfile(fpath):
             raise CheckpointError(f"{fpath}: missing (listed in the manifest)")

@@ -29,6 +29,7 @@ The loop, with every callback event in the order it fires (HF Trainer's order)::
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -42,9 +43,11 @@ import numpy as np
 import torch
 
 from . import checkpoint as ckpt
-from .data import MapSource, build_source, cached_source, check_same_schema, count_items, model_inputs
-from .optim import create_optimizer, create_scheduler, scheduler_needs_metric
-from .state import EvalPrediction, PredictionOutput, TrainerState, TrainOutput
+from . import hf
+from .data import check_same_schema, count_items
+from .data_iterable import LoaderSource, check_iterable_training, num_batches
+from .optim import scheduler_needs_metric
+from .state import TrainerControl, TrainerState, TrainOutput
 
 logger = logging.getLogger(__name__)
 
@@ -62,8 +65,10 @@ class _Run:
 
     trainer: Any
     strategy: Any
-    data: MapSource
+    data: Any                             # a source: iter_batches(epoch, start), state(); len() unless a stream
     steps_per_epoch: int
+    num_batches: int | None = None        # batches per epoch; None for a stream (ends when it does)
+    exhausted: bool = False               # the current epoch's batches have all been taken
     writer: ckpt.CheckpointWriter | None = None
     epoch: int = 0
     next_batch: int = 0
@@ -88,6 +93,8 @@ def train(trainer, resume_from_checkpoint=None, trial=None) -> TrainOutput:
     args, state, cb = trainer.args, trainer.state, trainer.callback_handler
     start, start_step = time.perf_counter(), state.global_step
     trainer.control = cb.on_train_begin(args, state, trainer.control)
+    if args.eval_on_start and state.global_step == 0:
+        trainer.evaluate(ignore_keys=trainer._ignore_keys_for_eval)  # a sanity check, as HF; not a best candidate
     while state.global_step < state.max_steps and not trainer.control.should_training_stop:
         trainer.control = cb.on_epoch_begin(args, state, trainer.control)
         for window in _windows(run):
@@ -96,13 +103,14 @@ def train(trainer, resume_from_checkpoint=None, trial=None) -> TrainOutput:
             _log_evaluate_save(run, trial)
             if trainer.control.should_epoch_stop or trainer.control.should_training_stop:
                 break
-        finished = run.next_batch >= len(run.data)
+        finished = run.exhausted
         trainer.control = cb.on_epoch_end(args, state, trainer.control)
         _log_evaluate_save(run, trial, epoch_finished=finished)
         if finished:
-            run.epoch, run.next_batch = run.epoch + 1, 0
+            run.epoch, run.next_batch, run.exhausted = run.epoch + 1, 0, False
     if run.writer is not None:
         run.writer.close()
+        _keep_only_best(trainer)
     if args.load_best_model_at_end and state.best_model_checkpoint:
         run.strategy.load_model_state_dict(ckpt.load_weights(state.best_model_checkpoint))
     metrics = _train_metrics(run, start, start_step)
@@ -111,29 +119,48 @@ def train(trainer, resume_from_checkpoint=None, trial=None) -> TrainOutput:
     return TrainOutput(state.global_step, metrics["train_loss"], metrics)
 
 
+def _keep_only_best(trainer) -> None:
+    """As HF: with save_total_limit 1 and a best checkpoint, the run ends with the best one alone."""
+    args, state = trainer.args, trainer.state
+    if args.save_total_limit != 1 or not state.best_model_checkpoint or not trainer.strategy_is_main():
+        return
+    best = os.path.abspath(state.best_model_checkpoint)
+    for _, p in ckpt.sorted_checkpoints(args.output_dir):
+        if os.path.abspath(p) != best:
+            shutil.rmtree(p, ignore_errors=True)
+
+
 def _setup(trainer) -> _Run:
     """Strategy, model, optimizer, scheduler, data and a fresh TrainerState for this rank."""
     args = trainer.args
     strategy = trainer._get_strategy()
     opt, sched = trainer.optimizers
-    model, optimizer = strategy.setup(trainer.model, lambda m: create_optimizer(m, args), opt)
+    if trainer.lr_scheduler is not None and trainer.lr_scheduler is not sched:
+        trainer.lr_scheduler = None  # a schedule created by an earlier train() starts over, as HF
+    model, optimizer = strategy.setup(trainer.model, trainer.create_optimizer, opt)
     trainer.model_wrapped, trainer.optimizer = model, optimizer
-    data = build_source(trainer.train_dataset, args.per_device_train_batch_size,
-                        seed=args.data_seed if args.data_seed is not None else args.seed,
-                        drop_last=args.dataloader_drop_last, rank=strategy.rank,
-                        world_size=strategy.world_size, collate_fn=trainer.data_collator,
-                        columns=model_inputs(trainer.model, training=True), name="train_dataset")
+    data = trainer.get_train_dataloader()
+    if not hasattr(data, "iter_batches"):  # an overridden get_train_dataloader returned a plain iterable
+        data = LoaderSource(data, rank=strategy.rank, world_size=strategy.world_size)
+    check_iterable_training(data, args.max_steps)
     if trainer.eval_dataset is not None:  # a mismatched eval set fails now, not at the first evaluation
-        check_same_schema(data, _eval_source(trainer, trainer.eval_dataset))
+        from .trainer import is_named_datasets
+        evals = trainer.eval_dataset if is_named_datasets(trainer.eval_dataset) else {None: trainer.eval_dataset}
+        for name in evals:
+            check_same_schema(data, trainer.get_eval_dataloader(name))
     ga = args.gradient_accumulation_steps
-    steps_per_epoch = max(1, math.ceil(len(data) / ga))
-    if args.max_steps > 0:
-        max_steps = args.max_steps
-        epochs = math.ceil(max_steps / steps_per_epoch)
+    n_batches = num_batches(data)
+    if n_batches is None:  # a stream: HF counts max_steps * accumulation micro-batches as its epoch
+        steps_per_epoch, max_steps, epochs = args.max_steps, args.max_steps, 1
     else:
-        max_steps = math.ceil(args.num_train_epochs * steps_per_epoch)
-        epochs = math.ceil(args.num_train_epochs)
-    trainer.lr_scheduler = sched or create_scheduler(optimizer, args, max_steps)
+        steps_per_epoch = max(1, math.ceil(n_batches / ga))
+        if args.max_steps > 0:
+            max_steps = args.max_steps
+            epochs = math.ceil(max_steps / steps_per_epoch)
+        else:
+            max_steps = math.ceil(args.num_train_epochs * steps_per_epoch)
+            epochs = math.ceil(args.num_train_epochs)
+    trainer.create_scheduler(max_steps, optimizer)
     cb = trainer.callback_handler
     cb.model, cb.optimizer, cb.lr_scheduler, cb.train_dataloader = model, optimizer, trainer.lr_scheduler, data
     log_s, eval_s, save_s = args.resolve_steps(max_steps)
@@ -151,26 +178,32 @@ def _setup(trainer) -> _Run:
         writer = ckpt.CheckpointWriter(args.output_dir, rank=strategy.rank, world_size=strategy.world_size,
                                        strategy=strategy.name, barrier=strategy.barrier,
                                        save_async=args.save_async)
-    return _Run(trainer, strategy, data, steps_per_epoch, writer,
+    return _Run(trainer, strategy, data, steps_per_epoch, n_batches, writer=writer,
                 tr_loss=torch.zeros((), device=strategy.device))
 
 
 def _windows(run: _Run):
     """The micro-batches of each update step from the current data position to the epoch's end."""
     ga = run.trainer.args.gradient_accumulation_steps
+    if run.num_batches is not None and run.next_batch >= run.num_batches:
+        run.exhausted = True
+        return
     batches = run.data.iter_batches(run.epoch, run.next_batch)
-    while run.next_batch < len(run.data):
-        n = min(ga, len(run.data) - run.next_batch)
-        window = [next(batches) for _ in range(n)]
-        run.next_batch += n
-        yield window
+    while True:
+        window = list(itertools.islice(batches, ga))
+        run.next_batch += len(window)
+        run.exhausted = len(window) < ga or run.next_batch == run.num_batches
+        if window:
+            yield window
+        if run.exhausted:
+            return
 
 
 def _train_step(run: _Run, window: list[dict]) -> None:
     trainer, strategy = run.trainer, run.strategy
     args, state, cb = trainer.args, trainer.state, trainer.callback_handler
     trainer.control = cb.on_step_begin(args, state, trainer.control)
-    window = [_to_device(b, strategy.device) for b in window]
+    window = [trainer._prepare_inputs(b) for b in window]
     num_items = None
     if len(window) > 1 or strategy.world_size > 1 or trainer._wants_num_items():
         # Normalise by the items of the whole update step (all micro-batches, all ranks); with one
@@ -184,7 +217,8 @@ def _train_step(run: _Run, window: list[dict]) -> None:
         step_loss = loss if step_loss is None else step_loss + loss
         if not last:
             trainer.control = cb.on_substep_end(args, state, trainer.control)
-        state.num_input_tokens_seen += batch["input_ids"].numel() if "input_ids" in batch else 0
+        if args.include_num_input_tokens_seen != "no":
+            state.num_input_tokens_seen += _tokens(batch, args.include_num_input_tokens_seen)
         state.total_flos += trainer.floating_point_ops(batch)
     run.grad_norm = strategy.clip_grad_norm(args.max_grad_norm)
     trainer.control = cb.on_pre_optimizer_step(args, state, trainer.control)
@@ -195,7 +229,7 @@ def _train_step(run: _Run, window: list[dict]) -> None:
         trainer.lr_scheduler.step()
     strategy.zero_grad()
     state.global_step += 1
-    state.epoch = run.epoch + run.next_batch / len(run.data)
+    state.epoch = run.epoch + run.next_batch / (run.num_batches or run.steps_per_epoch * args.gradient_accumulation_steps)
     _account_nonfinite(run, stepped)
     # A non-finite loss must not poison the logged average (logging_nan_inf_filter, as HF). Such a
     # loss always comes with non-finite gradients, so only skipped steps need the on-device check.
@@ -203,6 +237,14 @@ def _train_step(run: _Run, window: list[dict]) -> None:
         fallback = run.tr_loss / (1 + state.global_step - 1 - run.last_logged)
         step_loss = torch.where(torch.isfinite(step_loss), step_loss, fallback)
     run.tr_loss = run.tr_loss + step_loss
+
+
+def _tokens(batch: dict, how: str) -> int:
+    """Input tokens of a micro-batch: every input_ids entry, or ("non_padding") attention_mask's ones."""
+    if how == "non_padding" and "attention_mask" in batch:
+        return int(batch["attention_mask"].sum())
+    ids = batch.get("input_ids")
+    return ids.numel() if ids is not None else 0
 
 
 def _account_nonfinite(run: _Run, stepped: bool) -> None:
@@ -240,7 +282,7 @@ def _log_evaluate_save(run: _Run, trial, epoch_finished: bool = False) -> None:
         trainer.log(logs)
     metrics = None
     if control.should_evaluate:
-        metrics = trainer.evaluate()
+        metrics = trainer.evaluate(ignore_keys=trainer._ignore_keys_for_eval)
         _update_best(trainer, metrics)
         if trainer.args.save_strategy == "best":
             control.should_save = state.best_global_step == state.global_step
@@ -304,11 +346,14 @@ def _save(run: _Run, epoch_finished: bool) -> str | None:
     path = ckpt.checkpoint_dir(args.output_dir, state.global_step)
     if state.best_global_step == state.global_step:
         state.best_model_checkpoint = path
-    state.stateful_callbacks = trainer.callback_handler.export_states()
+    state.stateful_callbacks = {**trainer.callback_handler.export_states(),
+                                "TrainerControl": trainer.control.state()}
     epoch, nxt = (run.epoch + 1, 0) if epoch_finished else (run.epoch, run.next_batch)
     rng_name = "rng_state.pth" if strategy.world_size == 1 else f"rng_state_{strategy.rank}.pth"
     payload = ckpt.CheckpointPayload(pickles={rng_name: _rng_state()},
-                                     sharded_writer=strategy.save_sharded if strategy.has_sharded_state else None)
+                                     sharded_writer=strategy.save_sharded if strategy.has_sharded_state else None,
+                                     extra_files=lambda tmp: hf.save_pretrained_files(
+                                         trainer.model, trainer.processing_class, args, tmp))
     weights = strategy.model_state_dict()  # a collective for sharded backends: every rank calls it
     # Each rank holds its share of the unlogged loss; the checkpoint keeps their sum (a collective).
     pending_loss = strategy.all_reduce(run.tr_loss.detach().clone()).item()
@@ -347,17 +392,21 @@ def _save(run: _Run, epoch_finished: bool) -> str | None:
 def _resolve_resume(trainer, resume) -> str | None:
     """The checkpoint to continue from, verified; or None for a fresh start (never a silent one)."""
     args = trainer.args
-    if resume is None or resume is False:
+    if resume is None or resume is False or resume == "never":
         existing = ckpt.sorted_checkpoints(args.output_dir)
         if existing and trainer.strategy_is_main():
-            if not args.overwrite_output_dir:
+            if args.overwrite_output_dir:
+                logger.warning("overwrite_output_dir: deleting %d old checkpoint(s) in %s", len(existing),
+                               args.output_dir)
+                for _, p in existing:
+                    shutil.rmtree(p)
+            elif resume == "never":  # the CLI's --resume never: refuse rather than move anything
                 raise FileExistsError(
                     f"output_dir {args.output_dir} already holds {os.path.basename(existing[-1][1])}; "
-                    "pass resume_from_checkpoint=True to continue it or set overwrite_output_dir "
-                    "to start over (its checkpoints are then deleted)")
-            logger.warning("overwrite_output_dir: deleting %d old checkpoint(s) in %s", len(existing), args.output_dir)
-            for _, p in existing:
-                shutil.rmtree(p)
+                    "use --resume auto to continue it, or --set overwrite_output_dir=true to start over "
+                    "(its checkpoints are then deleted)")
+            else:
+                _archive_previous_run(args.output_dir, [p for _, p in existing])
         return None
     if resume is True or resume == "auto":
         path = ckpt.get_last_checkpoint(args.output_dir)
@@ -370,8 +419,39 @@ def _resolve_resume(trainer, resume) -> str | None:
         if path is None and resume is True:
             raise FileNotFoundError(f"resume_from_checkpoint=True: no complete checkpoint in {args.output_dir}")
         return path
-    ckpt.verify_checkpoint(str(resume))
+    _verify_named_checkpoint(str(resume))
     return str(resume)
+
+
+def _verify_named_checkpoint(path: str) -> None:
+    """A checkpoint named explicitly is verified; if only its weights differ from the manifest (re-saved
+    by save_pretrained, e.g. sharded), it is used with a warning once the weights load."""
+    try:
+        ckpt.verify_checkpoint(path)
+    except ckpt.CheckpointError as e:
+        bad = str(e).split(":", 1)[0]
+        if not (bad.startswith(path) and ckpt.is_weights_file(os.path.relpath(bad, path))
+                and ckpt.weights_resaved_elsewhere(path)):
+            raise  # raytrain's own weights that fail their manifest are corrupt
+        ckpt.verify_checkpoint(path, ignore_weights=True)
+        logger.warning("%s; its weights do not match the manifest (re-saved, e.g. by save_pretrained?): "
+                       "resuming with them as they are now, every other file verified", e)
+
+
+def _archive_previous_run(output_dir: str, paths: list[str]) -> str:
+    """A fresh train() into an output_dir holding checkpoints starts over, as HF does; the earlier
+    run's checkpoints are moved (never overwritten, rotated or deleted) into previous-run-K/."""
+    k = 1
+    while os.path.exists(os.path.join(output_dir, f"previous-run-{k}")):
+        k += 1
+    archive = os.path.join(output_dir, f"previous-run-{k}")
+    os.makedirs(archive)
+    for p in paths:
+        os.rename(p, os.path.join(archive, os.path.basename(p)))
+    logger.warning("output_dir %s held checkpoints of an earlier run (%s); this run starts fresh (as HF) and "
+                   "they were moved to %s; pass resume_from_checkpoint=True to continue a run instead",
+                   output_dir, ", ".join(os.path.basename(p) for p in paths), archive)
+    return archive
 
 
 def _restore(run: _Run, path: str) -> None:
@@ -411,7 +491,7 @@ def _restore(run: _Run, path: str) -> None:
                  "is_hyper_param_search", "trial_name", "trial_params"):
         setattr(saved, name, getattr(fresh, name))
     trainer.state = saved
-    trainer.callback_handler.restore_states(saved.stateful_callbacks)
+    _restore_callbacks(trainer, saved.stateful_callbacks)
     # The saved sum goes back on rank 0 only: the next log sums over ranks again, whatever their number.
     run.tr_loss = torch.tensor(loop["tr_loss"] if strategy.is_main else 0.0, dtype=run.tr_loss.dtype,
                                device=strategy.device)
@@ -427,6 +507,20 @@ def _restore(run: _Run, path: str) -> None:
     else:
         logger.warning("%s: no %s (the run had another world size); RNG streams start fresh", path, rng_file)
     logger.info("resumed from %s at step %d (epoch %d, batch %d)", path, saved.global_step, run.epoch, run.next_batch)
+
+
+def _restore_callbacks(trainer, stateful: dict) -> None:
+    """Callback attributes (e.g. early stopping's patience counter) always come back, so a resumed
+    run decides as the uninterrupted one would; with restore_callback_states_from_checkpoint, as in
+    HF, the callbacks are also rebuilt with the checkpoint's constructor arguments, TrainerControl too."""
+    stateful = dict(stateful)
+    control = stateful.pop("TrainerControl", None)
+    if trainer.args.restore_callback_states_from_checkpoint:
+        trainer.callback_handler.rebuild_from_states(stateful)
+        if control is not None:
+            trainer.control = TrainerControl(**control.get("args", {}))
+    else:
+        trainer.callback_handler.restore_states(stateful)
 
 
 def _apply(path: str, load: Any, state: Any) -> None:
@@ -445,28 +539,32 @@ def _read_trainer_state(path: str) -> TrainerState:
 
 
 def _check_data_compat(run: _Run, saved: dict, path: str) -> None:
-    """Resuming with a different data order or maths fails loudly, or warns when it is harmless."""
+    """What cannot be mapped (another dataset or order) is refused; a changed batch size, accumulation
+    or world size continues at the same sample position of the same order, with a warning (as HF)."""
     args, data = run.trainer.args, run.data
-    now = {"num_samples": data.num_samples, "batch_size": data.batch_size,
-           "gradient_accumulation_steps": args.gradient_accumulation_steps, "seed": data.seed,
-           "drop_last": data.drop_last}
-    now.update({k: v for k, v in data.state().items() if k in ("kind", "shuffle", "buffer_rows", "num_blocks")})
-    changed = [f"{k} {saved.get(k)} -> {v}" for k, v in now.items() if k in saved and saved[k] != v]
+    fixed = {"num_samples": data.num_samples, "seed": data.seed}
+    fixed.update({k: v for k, v in data.state().items() if k in ("kind", "shuffle", "buffer_rows", "num_blocks")})
+    changed = [f"{k} {saved.get(k)} -> {v}" for k, v in fixed.items() if k in saved and saved[k] != v]
     if changed:
-        msg = f"{path}: resuming would change the data order or the maths ({'; '.join(changed)})"
+        msg = f"{path}: resuming would change the data order ({'; '.join(changed)})"
         if not args.ignore_data_skip:
             raise ValueError(msg + "; restore the original settings or set ignore_data_skip to "
                              "resume anyway at the start of the saved epoch")
         logger.warning("%s; ignore_data_skip is set: continuing from the start of epoch %d", msg, saved["epoch"])
+    if args.ignore_data_skip:
         saved["next_batch"] = 0
-    elif saved.get("world_size") != data.world_size:
-        # Another number of ranks: the global batch changes; map the position by samples consumed.
-        global_before = saved["batch_size"] * saved["world_size"]
+        return
+    now = {"batch_size": data.batch_size, "world_size": data.world_size, "drop_last": data.drop_last,
+           "gradient_accumulation_steps": args.gradient_accumulation_steps}
+    mapped = [f"{k} {saved.get(k)} -> {v}" for k, v in now.items() if k in saved and saved[k] != v]
+    if mapped and saved.get("batch_size") and saved.get("world_size"):
+        consumed = saved["next_batch"] * saved["batch_size"] * saved["world_size"]
         global_now = data.batch_size * data.world_size
-        saved["next_batch"] = saved["next_batch"] * global_before // global_now
-        logger.warning("%s: world size %s -> %s: the global batch changes from %d to %d samples and the "
-                       "data order of the rest of epoch %d changes", path, saved.get("world_size"),
-                       data.world_size, global_before, global_now, saved["epoch"])
+        saved["next_batch"] = consumed // global_now
+        again = consumed - saved["next_batch"] * global_now
+        logger.warning("%s: resuming with %s: epoch %d continues at sample %d of the same order%s", path,
+                       "; ".join(mapped), saved["epoch"], consumed,
+                       f" ({again} samples of the last partial global batch are seen again)" if again else "")
 
 
 def _read_json(path: str) -> dict:
@@ -501,86 +599,6 @@ def _set_rng_state(state: dict) -> None:
 
 def _tuplify(x):
     return tuple(_tuplify(v) for v in x) if isinstance(x, (list, tuple)) else x
-
-
-# ---------------------------------------------------------------- evaluate / predict
-
-
-def prediction_loop(trainer, dataset, description: str, metric_key_prefix: str = "eval",
-                    prediction_loss_only: bool = False) -> PredictionOutput:
-    """Run the model over `dataset` on this rank, gather across ranks, compute metrics."""
-    args, strategy = trainer.args, trainer._get_strategy()
-    model = trainer.model_wrapped if trainer.model_wrapped is not None else trainer.model.to(strategy.device)
-    source = _eval_source(trainer, dataset)
-    cb = trainer.callback_handler
-    cb.eval_dataloader = source
-    want_preds = not prediction_loss_only and (trainer.compute_metrics is not None or description == "predict")
-    loss_sum, items, preds, labels = 0.0, 0, [], []
-    start = time.perf_counter()
-    model.eval()
-    for batch in source.iter_batches(0):
-        batch = _to_device(batch, strategy.device)
-        loss, logits, label = trainer.prediction_step(model, batch, prediction_loss_only=not want_preds)
-        n = count_items(batch)  # None for a dataset without labels (predict on unlabeled data)
-        if loss is not None and n is not None:
-            loss_sum += float(loss) * int(n)
-            items += int(n)
-        if want_preds and logits is not None:
-            preds.append(logits.detach().float().cpu())
-            if label is not None:
-                labels.append(label.detach().cpu())
-        trainer.control = cb.on_prediction_step(args, trainer.state, trainer.control)
-    runtime = time.perf_counter() - start
-    gathered = strategy.all_gather_object((loss_sum, items, _cat(preds), _cat(labels)))
-    loss_sum = sum(g[0] for g in gathered)
-    items = sum(g[1] for g in gathered)
-    predictions = _cat([g[2] for g in gathered if g[2] is not None])
-    label_ids = _cat([g[3] for g in gathered if g[3] is not None])
-    predictions = predictions.numpy() if predictions is not None else None
-    label_ids = label_ids.numpy() if label_ids is not None else None
-    metrics: dict[str, float] = {}
-    if items:
-        metrics["loss"] = loss_sum / items
-    if trainer.compute_metrics is not None and predictions is not None and label_ids is not None:
-        metrics.update(trainer.compute_metrics(EvalPrediction(predictions, label_ids)))
-    n_samples = source.num_samples
-    metrics.update({"runtime": round(runtime, 4),
-                    "samples_per_second": round(n_samples / runtime, 3) if runtime else 0.0,
-                    "steps_per_second": round(len(source) / runtime, 3) if runtime else 0.0})
-    metrics = {k if k.startswith(f"{metric_key_prefix}_") else f"{metric_key_prefix}_{k}": _py(v)
-               for k, v in metrics.items()}
-    return PredictionOutput(predictions, label_ids, metrics)
-
-
-def _eval_source(trainer, dataset):
-    """The evaluation source of `dataset`, built (and checked) once per trainer, reused by every evaluation."""
-    args, strategy = trainer.args, trainer._get_strategy()
-    return cached_source(trainer.__dict__.setdefault("_data_sources", {}), dataset, args.per_device_eval_batch_size,
-                         shuffle=False, rank=strategy.rank, world_size=strategy.world_size,
-                         collate_fn=trainer.data_collator, columns=model_inputs(trainer.model, training=False),
-                         name="eval_dataset" if dataset is trainer.eval_dataset else "dataset")
-
-
-def _cat(tensors: list) -> torch.Tensor | None:
-    """Concatenate along the batch; sequences of different lengths are padded with -100, as HF does."""
-    tensors = [t for t in tensors if t is not None]
-    if not tensors:
-        return None
-    if tensors[0].dim() >= 2 and len({t.shape[1] for t in tensors}) > 1:
-        width = max(t.shape[1] for t in tensors)
-        tensors = [torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, width - t.shape[1]), value=-100)
-                   for t in tensors]
-    return torch.cat(tensors)
-
-
-def _py(v):
-    return v.item() if isinstance(v, (np.generic, torch.Tensor)) else v
-
-
-def _to_device(batch: dict, device: torch.device) -> dict:
-    if device.type == "cpu":
-        return batch
-    return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
 
 
 class _null:

@@ -87,7 +87,7 @@ def _resume_arg(value: str, output_dir: str):
     if value == "auto":
         return "auto"
     if value == "never":
-        return None
+        return "never"  # the loop refuses an output_dir holding checkpoints
     if not os.path.isdir(value):
         raise ConfigError(f"--resume: {value!r} is not a checkpoint directory (or use auto / never)")
     return value

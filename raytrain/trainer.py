@@ -3,112 +3,142 @@
 from __future__ import annotations
 
 import inspect
+import json
 import logging
 import os
-import random
 import resource
-from typing import Callable
+from typing import Any, Callable
 
-import numpy as np
 import torch
 
-from . import loop
+from . import hf, loop
 from .args import TrainingArguments
 from .callbacks import CallbackHandler, DefaultFlowCallback, PrinterCallback, ProgressCallback
 from .checkpoint import save_weights
 from .data import count_items
-from .optim import get_lr
+from .evaluation import EvalLoopOutput, evaluation_loop
+from .optim import create_optimizer, create_scheduler, get_lr, get_parameter_groups
+from .seeding import set_seed
 from .state import PredictionOutput, TrainerControl, TrainerState, TrainOutput
 
 logger = logging.getLogger(__name__)
 
-
-def set_seed(seed: int, deterministic: bool = False) -> None:
-    """Seed python, numpy and torch (CPU and CUDA); full determinism also pins the algorithms."""
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)
-    if torch.cuda.is_available():
-        torch.cuda.manual_seed_all(seed)
-    if deterministic:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
-        torch.backends.cudnn.deterministic = True
-        torch.backends.cudnn.benchmark = False
+__all__ = ["Trainer", "set_seed"]
 
 
 class Trainer:
-    """Train, evaluate and predict with a PyTorch model, as HF's Trainer does.
+    """Train, evaluate and predict with a PyTorch model, as HF's Trainer does (same arguments, same
+    overridable methods, same events).
 
     The model is any nn.Module taking a batch (a dict of tensors) as keyword arguments; its loss is
-    the output's `loss` (dict key or attribute), or `compute_loss_func(outputs, labels,
-    num_items_in_batch)` when given.
+    the output's `loss` (dict key, attribute, or the first element of a tuple), or
+    `compute_loss_func(outputs, labels, num_items_in_batch)` when given.
     """
 
     def __init__(self, model: torch.nn.Module | None = None, args: TrainingArguments | None = None,
-                 train_dataset=None, eval_dataset=None, data_collator: Callable | None = None,
-                 compute_metrics: Callable | None = None, callbacks: list | None = None,
-                 optimizers=(None, None), model_init: Callable | None = None,
-                 compute_loss_func: Callable | None = None):
+                 data_collator: Callable | None = None, train_dataset=None, eval_dataset=None,
+                 processing_class: Any = None, model_init: Callable | None = None,
+                 compute_loss_func: Callable | None = None, compute_metrics: Callable | None = None,
+                 callbacks: list | None = None, optimizers=(None, None),
+                 optimizer_cls_and_kwargs: tuple[type, dict] | None = None,
+                 preprocess_logits_for_metrics: Callable | None = None):
+        self._memory: dict[str, dict[str, float]] = {}
         self.args = args if args is not None else TrainingArguments(output_dir="trainer_output")
+        self._start_memory_tracking("init")
+        if self.args.log_level != "passive":
+            logging.getLogger("raytrain").setLevel(self.args.log_level.upper())
         set_seed(self.args.seed, self.args.full_determinism)
         if model is None and model_init is None:
             raise ValueError("Trainer needs a model or a model_init function")
+        if optimizers[0] is not None and optimizer_cls_and_kwargs is not None:
+            raise ValueError("Trainer: pass either optimizers or optimizer_cls_and_kwargs, not both")
         self.model_init = model_init
         self.model = model if model is not None else self.call_model_init()
         self.model_wrapped = None
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
-        self.data_collator = data_collator
+        self.processing_class = processing_class
+        self.data_collator = data_collator if data_collator is not None else hf.default_collator(processing_class)
         self.compute_metrics = compute_metrics
         self.compute_loss_func = compute_loss_func
+        self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
+        self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
         self.optimizers = optimizers
         self.optimizer, self.lr_scheduler = optimizers
+        self.label_names = self.args.label_keys if self.args.label_names else _default_label_names(self.model)
+        self.label_smoother = (hf.LabelSmoother(self.args.label_smoothing_factor)
+                               if self.args.label_smoothing_factor else None)
         self._strategy = None
         self._trial_name: str | None = None
         self._trial_params: dict | None = None
-        self._memory_start: dict[str, float] = {}
         defaults = [DefaultFlowCallback, PrinterCallback if self.args.disable_tqdm else ProgressCallback]
         self.callback_handler = CallbackHandler(defaults + _integration_callbacks(self.args) + list(callbacks or []),
                                                 self.model, self.optimizer, self.lr_scheduler)
         self.state = TrainerState()
         self.control = TrainerControl()
         self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
+        self._stop_memory_tracking("init")
 
     # ------------------------------------------------------------ public API
-    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None, **kwargs) -> TrainOutput:
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial=None,
+              ignore_keys_for_eval: list[str] | None = None, **kwargs) -> TrainOutput:
         """Train from scratch, or continue a checkpoint (True: the newest valid one in output_dir)."""
         if kwargs:
             raise TypeError(f"train() got unexpected arguments {sorted(kwargs)}")
         if self.train_dataset is None:
             raise ValueError("Trainer.train() needs a train_dataset")
+        self._ignore_keys_for_eval = ignore_keys_for_eval
         if self.args.should_use_distributed:
             from .launch import run_distributed
             return run_distributed(self, resume_from_checkpoint)
         if self.model_init is not None and trial is not None:
             set_seed(self.args.seed, self.args.full_determinism)
             self.model = self.call_model_init(trial)
-        self._start_memory_tracking()
+            self.optimizer = self.lr_scheduler = None
+        self._start_memory_tracking("train")
         if not self.args.auto_find_batch_size:
             return loop.train(self, resume_from_checkpoint, trial)
         return self._train_finding_batch_size(resume_from_checkpoint, trial)
 
-    def evaluate(self, eval_dataset=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+    def evaluate(self, eval_dataset=None, ignore_keys: list[str] | None = None,
+                 metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Evaluate on `eval_dataset` (or the Trainer's); a dict of datasets is evaluated one by one with
+        metrics prefixed `{metric_key_prefix}_{name}_`, as HF."""
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if is_named_datasets(dataset):
+            metrics: dict[str, float] = {}
+            for name, data in dataset.items():
+                metrics.update(self.evaluate(data if eval_dataset is not None else name, ignore_keys,
+                                             f"{metric_key_prefix}_{name}"))
+            return metrics
         if dataset is None:
             raise ValueError("evaluate() needs an eval_dataset (given to Trainer or to evaluate)")
-        out = loop.prediction_loop(self, dataset, "evaluate", metric_key_prefix)
-        metrics = out.metrics
+        self._start_memory_tracking("eval")
+        source = self.get_eval_dataloader(dataset)
+        out = self.evaluation_loop(source, "Evaluation", ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
+        metrics = {**out.metrics, **self._stop_memory_tracking("eval")}
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
 
-    def predict(self, test_dataset, metric_key_prefix: str = "test") -> PredictionOutput:
-        out = loop.prediction_loop(self, test_dataset, "predict", metric_key_prefix)
-        self.control = self.callback_handler.on_predict(self.args, self.state, self.control, out.metrics)
-        return out
+    def predict(self, test_dataset, ignore_keys: list[str] | None = None,
+                metric_key_prefix: str = "test") -> PredictionOutput:
+        """Every non-loss output of the model on `test_dataset` (a tuple when there are several), the
+        labels if present, and metrics; sequences are padded with -100 across batches, as HF."""
+        self._start_memory_tracking("test")
+        out = self.evaluation_loop(self.get_test_dataloader(test_dataset), "predict", ignore_keys=ignore_keys,
+                                   metric_key_prefix=metric_key_prefix)
+        metrics = {**out.metrics, **self._stop_memory_tracking("test")}
+        self.control = self.callback_handler.on_predict(self.args, self.state, self.control, metrics)
+        return PredictionOutput(out.predictions, out.label_ids, metrics)
 
-    def save_model(self, output_dir: str | None = None) -> str:
-        """Write the full weights as model.safetensors (rank 0) plus training_args.json."""
+    def evaluation_loop(self, dataloader, description: str, prediction_loss_only: bool | None = None,
+                        ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> EvalLoopOutput:
+        """Run prediction_step over `dataloader` (what get_eval_dataloader returns) and gather."""
+        return evaluation_loop(self, dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> str:
+        """Write the full weights as model.safetensors (rank 0) plus training_args.json; for a transformers
+        model also config.json, the processing class's files and training_args.bin (from_pretrained works)."""
         output_dir = output_dir or self.args.output_dir
         strategy = self._get_strategy()
         state = strategy.model_state_dict() if strategy.model is not None else \
@@ -118,6 +148,7 @@ class Trainer:
             save_weights(state, output_dir)
             with open(os.path.join(output_dir, "training_args.json"), "w") as f:
                 f.write(self.args.to_json_string())
+            hf.save_pretrained_files(self.model, self.processing_class, self.args, output_dir)
         strategy.barrier()
         return output_dir
 
@@ -139,27 +170,158 @@ class Trainer:
     def remove_callback(self, callback) -> None:
         self.callback_handler.remove_callback(callback)
 
-    def log(self, logs: dict[str, float]) -> None:
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         """Append to log_history (with epoch and step, as HF) and fire on_log."""
         if self.state.epoch is not None:
             logs = {**logs, "epoch": self.state.epoch}
+        if self.args.include_num_input_tokens_seen != "no":
+            logs = {**logs, "num_input_tokens_seen": self.state.num_input_tokens_seen}
         self.state.log_history.append({**logs, "step": self.state.global_step})
         self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
 
+    def log_metrics(self, split: str, metrics: dict[str, float]) -> None:
+        """Print `metrics` as HF does: a header, then one aligned `key = value` line each (main process)."""
+        if not self.is_world_process_zero():
+            return
+        print(f"***** {split} metrics *****")
+        shown = _metrics_format(metrics)
+        width = max((len(k) for k in shown), default=0)
+        for key in sorted(shown):
+            print(f"  {key: <{width}} = {shown[key]}")
+
+    def save_metrics(self, split: str, metrics: dict[str, float], combined: bool = True) -> None:
+        """Write `{split}_results.json` (and merge into all_results.json) in output_dir (main process)."""
+        if not self.is_world_process_zero():
+            return
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        with open(os.path.join(self.args.output_dir, f"{split}_results.json"), "w", encoding="utf-8") as f:
+            json.dump(metrics, f, indent=4, sort_keys=True)
+        if combined:
+            path = os.path.join(self.args.output_dir, "all_results.json")
+            merged = {}
+            if os.path.exists(path):
+                with open(path, encoding="utf-8") as f:
+                    merged = json.load(f)
+            merged.update(metrics)
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump(merged, f, indent=4, sort_keys=True)
+
+    def save_state(self) -> None:
+        """Write trainer_state.json into output_dir (main process)."""
+        if self.is_world_process_zero():
+            os.makedirs(self.args.output_dir, exist_ok=True)
+            self.state.save_to_json(os.path.join(self.args.output_dir, "trainer_state.json"))
+
+    def is_world_process_zero(self) -> bool:
+        return self._get_strategy().is_main
+
+    def is_local_process_zero(self) -> bool:
+        return self._get_strategy().local_rank == 0
+
+    def get_num_trainable_parameters(self) -> int:
+        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
+
+    def get_learning_rates(self) -> list[float]:
+        if self.optimizer is None:
+            raise ValueError("Trainer optimizer is None, please make sure you have setup the optimizer before.")
+        return [group["lr"] for group in self.optimizer.param_groups]
+
+    # ------------------------------------------------------------ overridable: data
+    def get_train_dataloader(self):
+        """This rank's training batches: a data source (deterministic, sharded, resumable) over the
+        prepared train_dataset. An override may return any iterable of batches (e.g. a DataLoader);
+        resuming then replays it up to the saved position."""
+        if self.train_dataset is None:
+            raise ValueError("Trainer: training requires a train_dataset.")
+        args = self.args
+        return self._build_source(self.train_dataset, args.per_device_train_batch_size, "train_dataset",
+                                  shuffle=True, training=True)
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        """Evaluation batches of `eval_dataset` (a dataset, or the name of one in a dict eval_dataset),
+        built once per dataset and reused."""
+        named = self.eval_dataset if is_named_datasets(self.eval_dataset) else {}
+        if isinstance(eval_dataset, str) and eval_dataset in named:
+            eval_dataset = named[eval_dataset]
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("Trainer: evaluation requires an eval_dataset.")
+        name = "eval_dataset" if dataset is self.eval_dataset or any(dataset is d for d in named.values()) \
+            else "dataset"
+        return self._build_source(dataset, self.args.per_device_eval_batch_size, name, shuffle=False, training=False)
+
+    def get_test_dataloader(self, test_dataset):
+        return self._build_source(test_dataset, self.args.per_device_eval_batch_size, "test_dataset",
+                                  shuffle=False, training=False)
+
+    def _build_source(self, dataset, batch_size: int, name: str, shuffle: bool, training: bool):
+        """A source for `dataset` as HF prepares it; evaluation sources are built (and checked) once per
+        dataset and batch size, and reused by every evaluation."""
+        from .data import model_inputs
+        from .data_iterable import build_loader
+        args, strategy = self.args, self._get_strategy()
+        cache = self.__dict__.setdefault("_data_sources", {})
+        key = (id(dataset), batch_size, training, strategy.rank, strategy.world_size)
+        hit = cache.get(key)
+        if hit is not None and hit[0] is dataset and not training:
+            return hit[1]
+        source = build_loader(hf.prepare_dataset(dataset, self.model, args, name), batch_size, args,
+                              seed=args.data_seed if args.data_seed is not None else args.seed,
+                              drop_last=args.dataloader_drop_last if training else False, shuffle=shuffle,
+                              rank=strategy.rank, world_size=strategy.world_size, collate_fn=self.data_collator,
+                              columns=model_inputs(self.model, training=training), name=name)
+        cache[key] = (dataset, source)  # holds the dataset, so its id is not reused while cached
+        return source
+
+    # ------------------------------------------------------------ overridable: optimizer and schedule
+    def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
+        """The optimizer over `model`'s parameters (after the backend wrapped it): optimizer_cls_and_kwargs
+        if given, else args.optim; weight decay skips biases and norms."""
+        model = model if model is not None else (self.model_wrapped or self.model)
+        if self.optimizer is None:
+            if self.optimizer_cls_and_kwargs is not None:
+                cls, kwargs = self.optimizer_cls_and_kwargs
+                self.optimizer = cls(get_parameter_groups(model, self.args.weight_decay), **kwargs)
+            else:
+                self.optimizer = create_optimizer(model, self.args)
+        return self.optimizer
+
+    def create_scheduler(self, num_training_steps: int, optimizer: torch.optim.Optimizer | None = None):
+        """The learning-rate schedule (args.lr_scheduler_type) over num_training_steps."""
+        if self.lr_scheduler is None:
+            self.lr_scheduler = create_scheduler(optimizer if optimizer is not None else self.optimizer,
+                                                 self.args, num_training_steps)
+        return self.lr_scheduler
+
+    def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
+        self.create_optimizer()
+        self.create_scheduler(num_training_steps, self.optimizer)
+
     # ------------------------------------------------------------ overridable maths
+    def _prepare_inputs(self, inputs: dict) -> dict:
+        """The batch on this rank's device."""
+        device = self._get_strategy().device
+        if device.type == "cpu":
+            return inputs
+        return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+
     def compute_loss(self, model, inputs: dict, return_outputs: bool = False, num_items_in_batch=None):
         """The micro-batch's share of the update step's loss: sum over its items / items in the step,
         so that accumulated micro-batches equal one large batch exactly."""
         labels = inputs.get("labels")
-        if self.compute_loss_func is not None:
+        if self.compute_loss_func is not None or (self.label_smoother is not None and labels is not None):
             outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
-            loss = self.compute_loss_func(outputs, labels, num_items_in_batch)
+            if self.compute_loss_func is not None:
+                loss = self.compute_loss_func(outputs, labels, num_items_in_batch)
+            else:
+                total, items = self.label_smoother(outputs, labels, shift_labels=hf.is_causal_lm(_unwrap(model)))
+                loss = total / (num_items_in_batch if num_items_in_batch is not None else items)
         elif num_items_in_batch is not None and self._wants_num_items():
             outputs = model(**inputs, num_items_in_batch=num_items_in_batch)
-            loss = _get_loss(outputs)
+            loss = hf.loss_of(outputs)
         else:
             outputs = model(**inputs)
-            loss = _get_loss(outputs)
+            loss = hf.loss_of(outputs)
             if num_items_in_batch is not None:
                 # The model's loss is a mean over its items: weight it by their share of the step.
                 loss = loss * (count_items(inputs) / num_items_in_batch)
@@ -176,19 +338,30 @@ class Trainer:
         strategy.backward(loss * scale if scale != 1 else loss)
         return loss.detach()
 
-    def prediction_step(self, model, inputs: dict, prediction_loss_only: bool):
-        """(loss, logits, labels) for one evaluation batch; loss is the batch's mean."""
-        labels = inputs.get("labels")
+    def prediction_step(self, model, inputs: dict, prediction_loss_only: bool, ignore_keys: list[str] | None = None):
+        """(loss, predictions, labels) for one evaluation batch; loss is the batch's mean; predictions are
+        every non-loss output (a tuple when there are several), as HF."""
+        has_labels = bool(self.label_names) and all(inputs.get(k) is not None for k in self.label_names)
+        labels = None
+        if has_labels:
+            labels = tuple(inputs[k].detach() for k in self.label_names)
+            labels = labels[0] if len(labels) == 1 else labels
+        if ignore_keys is None:
+            ignore_keys = hf.ignore_keys_for(_unwrap(model))
         with torch.no_grad(), self._get_strategy().autocast():
-            if self.compute_loss_func is not None and labels is not None:
+            if has_labels and self.compute_loss_func is not None and "labels" in inputs:
                 outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
-                loss = self.compute_loss_func(outputs, labels, count_items(inputs))
+                loss = self.compute_loss_func(outputs, inputs["labels"], count_items(inputs))
+            elif has_labels:
+                loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
             else:
                 outputs = model(**inputs)
-                loss = _get_loss(outputs, required=False)
+                loss = None
+        if loss is not None:
+            loss = loss.detach().mean()
         if prediction_loss_only:
             return loss, None, None
-        return loss, _get_logits(outputs), labels
+        return loss, hf.predictions_of(outputs, loss is not None, ignore_keys), labels
 
     def _wants_num_items(self) -> bool:
         """Whether the loss needs num_items_in_batch even for a single micro-batch on one rank."""
@@ -235,25 +408,36 @@ class Trainer:
         if callable(report):
             report(metrics, self.state.global_step, checkpoint_dir)
 
-    def _start_memory_tracking(self) -> None:
+    def _start_memory_tracking(self, stage: str = "train") -> None:
+        """HF's memory metrics ({stage}_mem_cpu_alloc_delta ...) for init, train, eval and test."""
         if self.args.skip_memory_metrics:
             return
-        self._memory_start = {"cpu": _rss_bytes()}
+        start = {"cpu": _rss_bytes(), "peak": _peak_rss_bytes()}
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
-            self._memory_start["gpu"] = torch.cuda.memory_allocated()
+            start["gpu"] = torch.cuda.memory_allocated()
+        self._memory[stage] = start
+
+    def _stop_memory_tracking(self, stage: str) -> dict[str, int]:
+        """The stage's memory metrics; init's are kept and reported with the first train/eval/test, as HF."""
+        if self.args.skip_memory_metrics or stage not in self._memory:
+            return {}
+        start = self._memory.pop(stage)
+        out = {f"{stage}_mem_cpu_alloc_delta": _rss_bytes() - start["cpu"],
+               f"{stage}_mem_cpu_peaked_delta": max(0, _peak_rss_bytes() - max(start["peak"], _rss_bytes()))}
+        if "gpu" in start:
+            out[f"{stage}_mem_gpu_alloc_delta"] = torch.cuda.memory_allocated() - start["gpu"]
+            out[f"{stage}_mem_gpu_peaked_delta"] = max(0, torch.cuda.max_memory_allocated()
+                                                       - torch.cuda.memory_allocated())
+        if stage == "init":
+            self._init_memory = out
+            return out
+        out = {**getattr(self, "_init_memory", {}), **out}
+        self._init_memory = {}
+        return out
 
     def _memory_metrics(self, stage: str) -> dict[str, int]:
-        if self.args.skip_memory_metrics or not self._memory_start:
-            return {}
-        cpu0 = self._memory_start["cpu"]
-        out = {f"{stage}_mem_cpu_alloc_delta": _rss_bytes() - cpu0,
-               f"{stage}_mem_cpu_peaked_delta": max(0, _peak_rss_bytes() - cpu0)}
-        if "gpu" in self._memory_start:
-            gpu0 = self._memory_start["gpu"]
-            out[f"{stage}_mem_gpu_alloc_delta"] = torch.cuda.memory_allocated() - gpu0
-            out[f"{stage}_mem_gpu_peaked_delta"] = torch.cuda.max_memory_allocated() - gpu0
-        return out
+        return self._stop_memory_tracking(stage)
 
     def _train_finding_batch_size(self, resume_from_checkpoint, trial) -> TrainOutput:
         """auto_find_batch_size: halve the per-device batch on out-of-memory and start again."""
@@ -261,9 +445,9 @@ class Trainer:
         while True:
             try:
                 return loop.train(self, resume_from_checkpoint, trial)
-            except (torch.OutOfMemoryError, MemoryError) as e:
+            except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
                 bs = self.args.per_device_train_batch_size
-                if bs <= 1:
+                if not _is_out_of_memory(e) or bs <= 1:
                     raise
                 logger.warning("out of memory at per_device_train_batch_size=%d (%s); retrying with %d",
                                bs, str(e).splitlines()[0][:200], bs // 2)
@@ -272,8 +456,61 @@ class Trainer:
                 self.optimizer = self.lr_scheduler = None
                 self.optimizers = (None, None)
                 self._strategy = None
+                self.__dict__.pop("_data_sources", None)
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
+
+
+def is_named_datasets(data) -> bool:
+    """A dict of named datasets (HF's multiple eval sets), not a dict of columns: no value is array-like."""
+    import numpy as np
+    return isinstance(data, dict) and bool(data) and not any(
+        isinstance(v, (np.ndarray, torch.Tensor, list, tuple)) or type(v).__module__.startswith("pyarrow")
+        for v in data.values())
+
+
+def _is_out_of_memory(e: BaseException) -> bool:
+    """torch's OOM error, a MemoryError, or a RuntimeError saying CUDA ran out of memory (as HF retries)."""
+    if isinstance(e, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    text = str(e)
+    return isinstance(e, RuntimeError) and ("CUDA out of memory" in text or "CUDNN_STATUS_NOT_SUPPORTED" in text
+                                            or "DefaultCPUAllocator: can't allocate memory" in text)
+
+
+def _unwrap(model):
+    model = getattr(model, "module", model)
+    return getattr(model, "_orig_mod", model)
+
+
+def _default_label_names(model) -> list[str]:
+    """HF's default: the label arguments of a transformers model's forward (e.g. start_positions and
+    end_positions for question answering); ["labels"] for any other model."""
+    if hf.is_pretrained_model(model):
+        from transformers.utils import find_labels
+        names = find_labels(type(_unwrap(model)))
+        if names:
+            return names
+    return ["labels"]
+
+
+def _metrics_format(metrics: dict[str, float]) -> dict[str, Any]:
+    """HF's formatting for log_metrics: memory deltas in MB, runtimes as h:mm:ss, floats to 4 digits."""
+    out: dict[str, Any] = {}
+    for k, v in metrics.items():
+        if "_mem_" in k:
+            out[k] = f"{v >> 20}MB"
+        elif "_runtime" in k:
+            h, rem = divmod(int(v), 3600)
+            m, s = divmod(rem, 60)
+            out[k] = f"{h}:{m:02d}:{s:02d}.{int(100 * (v - int(v))):02d}"
+        elif k == "total_flos":
+            out[k] = f"{int(v) >> 30}GF"
+        elif isinstance(v, float):
+            out[k] = round(v, 4)
+        else:
+            out[k] = v
+    return out
 
 
 def _integration_callbacks(args) -> list:
@@ -282,29 +519,6 @@ def _integration_callbacks(args) -> list:
         from .callbacks.mlflow import MLflowCallback
         out.append(MLflowCallback)
     return out
-
-
-def _get_loss(outputs, required: bool = True):
-    if isinstance(outputs, dict):
-        loss = outputs.get("loss")
-    else:
-        loss = getattr(outputs, "loss", None)
-    if loss is None and required:
-        raise ValueError("the model returned no 'loss' (as a dict key or attribute); return one when "
-                         "labels are given, or pass compute_loss_func(outputs, labels, num_items_in_batch)")
-    return loss
-
-
-def _get_logits(outputs):
-    if isinstance(outputs, torch.Tensor):
-        return outputs
-    if isinstance(outputs, dict):
-        return outputs.get("logits", next((v for k, v in outputs.items() if k != "loss"), None))
-    if hasattr(outputs, "logits"):
-        return outputs.logits
-    if isinstance(outputs, (tuple, list)):
-        return outputs[1] if len(outputs) > 1 else outputs[0]
-    return None
 
 
 def _accepts_num_items(model) -> bool:

@@ -81,7 +81,10 @@ def test_event_sequence_matches_hugging_face(tmp_path):
         ("on_step_begin", 7), ("on_substep_end", 7), ("on_pre_optimizer_step", 7), ("on_optimizer_step", 7),
         ("on_step_end", 8),
         ("on_log", 8),
-        ("on_save", 8),  # the last step always saves when a save strategy is set
+        # the last step is always evaluated (HF 5) and saved when a strategy is set
+        ("on_prediction_step", 8), ("on_prediction_step", 8), ("on_prediction_step", 8),
+        ("on_log", 8), ("on_evaluate", 8),
+        ("on_save", 8),
         ("on_epoch_end", 8),
         ("on_log", 8),  # train metrics
         ("on_train_end", 8),

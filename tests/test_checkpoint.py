@@ -26,7 +26,7 @@ from raytrain import checkpoint as ckpt
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.dirname(os.path.abspath(__file__))
 FILES = {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json",
-         "training_args.json", "data_state.json", "loop_state.json", "manifest.json"}
+         "training_args.json", "training_args.bin", "data_state.json", "loop_state.json", "manifest.json"}
 
 
 @pytest.fixture(autouse=True)
@@ -357,13 +357,14 @@ class Scripted:
 
 
 @pytest.mark.parametrize("save_async", [False, True])
-def test_rotation_keeps_newest_and_best_and_best_stays_valid(tmp_path, save_async):
+def test_rotation_keeps_at_most_the_limit_newest_and_best_and_best_stays_valid(tmp_path, save_async):
     trainer = make_trainer(tmp_path, max_steps=10, save_steps=2, eval_strategy="steps", eval_steps=2,
                            save_total_limit=2, load_best_model_at_end=True, metric_for_best_model="score",
                            greater_is_better=True, save_async=save_async)
     trainer.eval_dataset, trainer.compute_metrics = make_data(8), Scripted([0.3, 0.9, 0.1, 0.2, 0.4])
     trainer.train()
-    assert sorted(os.listdir(tmp_path)) == ["checkpoint-10", "checkpoint-4", "checkpoint-8"]
+    # As HF: save_total_limit counts the best one; the newest is kept for resuming.
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint-10", "checkpoint-4"]
     best = str(tmp_path / "checkpoint-4")
     assert trainer.state.best_model_checkpoint == best and trainer.state.best_global_step == 4
     ckpt.verify_checkpoint(best)
@@ -397,13 +398,16 @@ def test_async_saving_writes_the_same_bytes_as_sync(tmp_path):
     asyn = _all_files(out)
     assert set(sync) == set(asyn) and len(sync) == 3 * len(FILES)
     differing = sorted(rel for rel in sync if sync[rel] != asyn[rel])
-    # training_args.json records save_async itself, and each manifest lists that file's hash
-    assert differing == [f"checkpoint-{s}/{n}" for s in (2, 4, 6) for n in ("manifest.json", "training_args.json")]
+    # training_args.json (and HF's pickled training_args.bin) record save_async itself, and each
+    # manifest lists those files' hashes
+    assert differing == [f"checkpoint-{s}/{n}" for s in (2, 4, 6)
+                         for n in ("manifest.json", "training_args.bin", "training_args.json")]
     for step in (2, 4, 6):
         a, b = (json.loads(d[f"checkpoint-{step}/training_args.json"]) for d in (sync, asyn))
         assert (a.pop("save_async"), b.pop("save_async")) == (False, True) and a == b
         a, b = (json.loads(d[f"checkpoint-{step}/manifest.json"]) for d in (sync, asyn))
-        a["files"].pop("training_args.json"), b["files"].pop("training_args.json")
+        for name in ("training_args.json", "training_args.bin"):
+            a["files"].pop(name), b["files"].pop(name)
         assert a == b
         ckpt.verify_checkpoint(str(out / f"checkpoint-{step}"))
 

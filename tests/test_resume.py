@@ -186,30 +186,47 @@ def test_resume_skips_consumed_batches_without_reading_them(tmp_path):
 
 
 @pytest.mark.parametrize("change, expected", [
-    (dict(per_device_train_batch_size=8), "batch_size 4 -> 8"),
-    (dict(gradient_accumulation_steps=2), "gradient_accumulation_steps 1 -> 2"),
     (dict(data=make_data(44)), "num_samples 40 -> 44"),
     (dict(data_seed=3), "seed 0 -> 3"),
 ])
-def test_resume_with_changed_data_or_maths_fails_naming_the_change(tmp_path, change, expected):
+def test_resume_with_changed_data_fails_naming_the_change(tmp_path, change, expected):
     make_trainer(tmp_path, max_steps=10, callbacks=[StopAt(5)]).train()
     resumed = make_trainer(tmp_path, max_steps=10, **change)
-    with pytest.raises(ValueError, match="resuming would change the data order or the maths") as err:
+    with pytest.raises(ValueError, match="resuming would change the data order") as err:
         resumed.train(resume_from_checkpoint=True)
     assert expected in str(err.value)
     assert "checkpoint-5" in str(err.value) and "ignore_data_skip" in str(err.value)
     assert resumed.state.global_step == 0
 
 
-def test_resume_with_changed_batch_size_and_ignore_data_skip_warns(tmp_path, caplog):
+@pytest.mark.parametrize("change, expected, next_batch", [
+    (dict(per_device_train_batch_size=8), "batch_size 4 -> 8", 2),        # 20 samples -> 2.5 batches of 8
+    (dict(gradient_accumulation_steps=2), "gradient_accumulation_steps 1 -> 2", 5),
+])
+def test_resume_with_changed_batch_size_or_accumulation_continues_at_the_same_sample(
+        tmp_path, caplog, change, expected, next_batch):
+    """As HF: a changed batch size or accumulation resumes (with a warning) at the sample position
+    reached, in the same order; the partial batch's samples are seen again, never skipped."""
     make_trainer(tmp_path, max_steps=10, callbacks=[StopAt(5)]).train()
-    resumed = make_trainer(tmp_path, max_steps=8, per_device_train_batch_size=8, ignore_data_skip=True)
+    data = CountingDataset()
+    resumed = make_trainer(tmp_path, data=data, max_steps=7, **change)
     with caplog.at_level(logging.WARNING, logger="raytrain.loop"):
         resumed.train(resume_from_checkpoint=True)
-    text = caplog.text
-    assert "batch_size 4 -> 8" in text and "ignore_data_skip is set" in text
-    assert "continuing from the start of epoch 0" in text
-    assert "max_steps 10 -> 8" in text  # the schedule change is named too
+    assert expected in caplog.text and "epoch 0 continues at sample 20 of the same order" in caplog.text
+    bs = change.get("per_device_train_batch_size", BATCH)
+    order = MapSource(make_data(), bs, seed=0).order(0).tolist()
+    assert data.fetched[:bs] == order[next_batch * bs:(next_batch + 1) * bs]
+    assert resumed.state.global_step == 7
+
+
+def test_resume_with_ignore_data_skip_restarts_the_epoch(tmp_path, caplog):
+    make_trainer(tmp_path, max_steps=10, callbacks=[StopAt(5)]).train()
+    data = CountingDataset()
+    resumed = make_trainer(tmp_path, data=data, max_steps=8, ignore_data_skip=True)
+    with caplog.at_level(logging.WARNING, logger="raytrain.loop"):
+        resumed.train(resume_from_checkpoint=True)
+    assert "max_steps 10 -> 8" in caplog.text  # the schedule change is named
+    assert data.fetched[:BATCH] == MapSource(make_data(), BATCH, seed=0).batch_indices(0, 0).tolist()
     assert resumed.state.global_step == 8
 
 
@@ -220,8 +237,8 @@ def test_every_loop_field_is_saved_or_deliberately_not(tmp_path):
     import json
 
     from raytrain.loop import _Run
-    rebuilt = {"trainer", "strategy", "data", "steps_per_epoch", "writer", "last_saved",
-               "epoch", "next_batch"}  # the last two travel in data_state.json
+    rebuilt = {"trainer", "strategy", "data", "steps_per_epoch", "num_batches", "exhausted", "writer",
+               "last_saved", "epoch", "next_batch"}  # the last two travel in data_state.json
     make_trainer(tmp_path, max_steps=1).train()
     saved = json.load(open(tmp_path / "checkpoint-1" / "loop_state.json"))
     assert {f.name for f in dataclasses.fields(_Run)} - rebuilt == set(saved)

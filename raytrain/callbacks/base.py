@@ -178,6 +178,17 @@ class CallbackHandler(TrainerCallback):
                     out[name] = cb.state()
         return out
 
+    def rebuild_from_states(self, stateful: dict[str, Any]) -> None:
+        """HF's restore_callback_states_from_checkpoint: each saved callback of a class the trainer has
+        is rebuilt as `cls(**args)` with its attributes set, replacing the trainer's instance."""
+        for name, saved in stateful.items():
+            saved = saved if isinstance(saved, list) else [saved]
+            matching = [cb for cb in self.callbacks if type(cb).__name__ == name and isinstance(cb, ExportableState)]
+            if not matching:
+                logger.warning("checkpoint has state for callback %s, which this trainer does not have; ignored", name)
+            for cb, st in zip(matching, saved):
+                self.callbacks[self.callbacks.index(cb)] = type(cb).from_state(st)
+
     def restore_states(self, stateful: dict[str, Any]) -> None:
         """Put saved callback state back into the callbacks of the same class, in order."""
         for name, saved in stateful.items():

@@ -1,0 +1,169 @@
+"""Sources beyond data.py's in-memory and file inputs, and the Trainer's one entry point for data.
+
+- IterableSource: a torch IterableDataset (or a streaming `datasets.IterableDataset`). Items are cut
+  into global batches of batch_size * world_size in stream order; rank r takes the r-th part of
+  each, so ranks never see the same item and all take the same number of steps (a final global batch
+  with fewer items than ranks is dropped). The length is unknown: training needs max_steps, and an
+  epoch ends when the stream does. Resume replays the stream up to the saved batch (cost grows with
+  the position, unlike map-style data whose resume is O(1)).
+- LoaderSource: any iterable of ready batches, e.g. a torch DataLoader from an overridden
+  get_train_dataloader; resume replays it likewise.
+- WorkerPool: dataloader_num_workers > 0 for map-style data: batches are read and collated by
+  torch DataLoader worker processes, in order, from the same (seed, epoch, rank) index plan, so
+  the batches and the resume position are the same as with no workers.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Callable, Iterator
+
+import torch
+
+from .data import DataError, _timed, build_source, default_collate
+
+
+def build_loader(data: Any, batch_size: int, args: Any, **kw) -> Any:
+    """The source of `data` for this rank: IterableSource for iterable datasets, else data.build_source
+    (wrapped in a WorkerPool when args.dataloader_num_workers > 0)."""
+    if isinstance(data, torch.utils.data.IterableDataset):
+        return IterableSource(data, batch_size, rank=kw["rank"], world_size=kw["world_size"],
+                              collate_fn=kw["collate_fn"], drop_last=kw["drop_last"], seed=kw["seed"],
+                              name=kw["name"])
+    source = build_source(data, batch_size, **kw)
+    workers = getattr(args, "dataloader_num_workers", 0)
+    if workers and hasattr(source, "batch_indices") and hasattr(source, "_fetch"):
+        return WorkerPool(source, workers, pin_memory=args.dataloader_pin_memory and torch.cuda.is_available(),
+                          prefetch_factor=args.dataloader_prefetch_factor,
+                          persistent_workers=args.dataloader_persistent_workers)
+    return source
+
+
+def num_batches(source: Any) -> int | None:
+    """Batches per epoch, or None when the source cannot know (a stream)."""
+    try:
+        return len(source)
+    except TypeError:
+        return None
+
+
+class IterableSource:
+    """This rank's batches of an iterable dataset, in stream order (see the module docstring)."""
+
+    kind = "iterable"
+
+    def __init__(self, dataset: Any, batch_size: int, *, rank: int = 0, world_size: int = 1,
+                 collate_fn: Callable | None = None, drop_last: bool = False, seed: int = 0,
+                 name: str = "dataset"):
+        self.dataset, self.batch_size, self.rank, self.world_size = dataset, batch_size, rank, world_size
+        self.collate_fn, self.drop_last, self.seed, self.name = collate_fn, drop_last, seed, name
+        self.num_samples = None
+        self.wait_s = 0.0
+        self.schema = None
+        self.where = type(dataset).__name__
+
+    def __len__(self) -> int:
+        raise TypeError(f"{self.name}: an iterable dataset has no length")
+
+    def iter_batches(self, epoch: int, start: int = 0) -> Iterator[dict]:
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)  # datasets' streaming shuffle is reseeded per epoch
+        return _timed(self, itertools.islice(self._batches(), start, None), 0)
+
+    def _batches(self) -> Iterator[dict]:
+        gb, ws = self.batch_size * self.world_size, self.world_size
+        items = iter(self.dataset)
+        collate = self.collate_fn or default_collate
+        while True:
+            chunk = list(itertools.islice(items, gb))
+            if len(chunk) < gb and (self.drop_last or len(chunk) < ws):
+                return
+            q, r = divmod(len(chunk), ws)
+            lo = self.rank * q + min(self.rank, r)
+            yield collate(chunk[lo:lo + q + (self.rank < r)])
+            if len(chunk) < gb:
+                return
+
+    def sample_batch(self) -> dict:
+        return next(self._batches())
+
+    def raw_columns(self) -> list[str] | None:
+        return None
+
+    def state(self) -> dict:
+        return {"kind": self.kind, "batch_size": self.batch_size, "world_size": self.world_size,
+                "seed": self.seed, "drop_last": self.drop_last}
+
+
+class LoaderSource:
+    """Any iterable of ready batches (a user's DataLoader); position by replay."""
+
+    kind = "loader"
+
+    def __init__(self, loader: Any, name: str = "train_dataloader", rank: int = 0, world_size: int = 1):
+        self.loader, self.name, self.rank, self.world_size = loader, name, rank, world_size
+        self.batch_size = getattr(loader, "batch_size", None)
+        self.num_samples = None
+        self.seed = None
+        self.drop_last = getattr(loader, "drop_last", False)
+        self.wait_s = 0.0
+        self.schema = None
+        self.where = type(loader).__name__
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def iter_batches(self, epoch: int, start: int = 0) -> Iterator[dict]:
+        for obj in (self.loader, getattr(self.loader, "sampler", None), getattr(self.loader, "dataset", None)):
+            if hasattr(obj, "set_epoch"):
+                obj.set_epoch(epoch)
+        return _timed(self, itertools.islice(iter(self.loader), start, None), 0)
+
+    def state(self) -> dict:
+        return {"kind": self.kind, "batch_size": self.batch_size, "world_size": self.world_size}
+
+
+class _Batches(torch.utils.data.Dataset):
+    """Batch i of an epoch from position `start`: what a DataLoader worker reads and collates."""
+
+    def __init__(self, source: Any, epoch: int, start: int):
+        self.source, self.epoch, self.start = source, epoch, start
+        self.order = source.order(epoch)
+
+    def __len__(self) -> int:
+        return len(self.source) - self.start
+
+    def __getitem__(self, i: int) -> dict:
+        return self.source._fetch(self.source.batch_indices(self.epoch, self.start + i, self.order))
+
+
+class WorkerPool:
+    """A map-style source whose batches are fetched and collated by DataLoader worker processes, in
+    order; every other attribute is the wrapped source's."""
+
+    def __init__(self, source: Any, num_workers: int, pin_memory: bool = False, prefetch_factor: int | None = None,
+                 persistent_workers: bool = False):
+        self.source, self.num_workers = source, num_workers
+        self.loader_kwargs = dict(num_workers=num_workers, pin_memory=pin_memory, prefetch_factor=prefetch_factor)
+        # Each epoch (and each resume position) is a new index plan, so workers are not kept across it.
+        self.persistent_workers = persistent_workers
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["source"], name)
+
+    def iter_batches(self, epoch: int, start: int = 0) -> Iterator[dict]:
+        if start >= len(self.source):
+            return iter(())
+        loader = torch.utils.data.DataLoader(_Batches(self.source, epoch, start), batch_size=None, shuffle=False,
+                                             **self.loader_kwargs)
+        return _timed(self.source, iter(loader), 0)
+
+
+def check_iterable_training(source: Any, max_steps: int) -> None:
+    """A stream has no length: the number of steps must be given."""
+    if num_batches(source) is None and max_steps <= 0:
+        raise DataError(f"{source.name} ({source.where}): an iterable dataset has no length; set max_steps > 0 "
+                        "(num_train_epochs cannot be turned into steps)")

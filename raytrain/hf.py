@@ -1,0 +1,187 @@
+"""Glue for objects that come from Hugging Face libraries: datasets, collators, tokenizers, models.
+
+transformers and datasets are optional: nothing here imports them unless the user's objects come
+from them (checked by module name), so `import raytrain` stays light.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import os
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+LABEL_ALIASES = ("label", "label_ids")
+
+
+def _from(obj: Any, package: str) -> bool:
+    return any(c.__module__.split(".")[0] == package for c in type(obj).__mro__)
+
+
+def is_hf_dataset(data: Any) -> bool:
+    """A `datasets.Dataset` (map-style, with column names)."""
+    return _from(data, "datasets") and hasattr(data, "column_names") and hasattr(data, "__len__")
+
+
+def is_pretrained_model(model: Any) -> bool:
+    """A transformers PreTrainedModel: it has a config and save_pretrained."""
+    return _from(model, "transformers") and hasattr(model, "config") and hasattr(model, "save_pretrained")
+
+
+def is_tokenizer_like(processing_class: Any) -> bool:
+    """A tokenizer or feature extractor, for which HF's default collator pads."""
+    if processing_class is None or not _from(processing_class, "transformers"):
+        return False
+    from transformers import PreTrainedTokenizerBase
+    from transformers.feature_extraction_sequence_utils import SequenceFeatureExtractor
+    return isinstance(processing_class, (PreTrainedTokenizerBase, SequenceFeatureExtractor))
+
+
+def default_collator(processing_class: Any):
+    """HF's choice: DataCollatorWithPadding for a tokenizer; otherwise None (raytrain's stacking)."""
+    if is_tokenizer_like(processing_class):
+        from transformers import DataCollatorWithPadding
+        return DataCollatorWithPadding(processing_class)
+    return None
+
+
+def signature_columns(model: Any, label_names: list[str]) -> list[str]:
+    """The names HF keeps when removing unused columns: forward's parameters, labels and their aliases."""
+    fwd = getattr(model, "module", model)
+    fwd = getattr(fwd, "_orig_mod", fwd)
+    try:
+        names = list(inspect.signature(fwd.forward).parameters)
+    except (TypeError, ValueError, AttributeError):
+        return []
+    return list(dict.fromkeys(names + list(LABEL_ALIASES) + list(label_names)))
+
+
+def prepare_dataset(data: Any, model: Any, args: Any, name: str) -> Any:
+    """A datasets.Dataset as HF's Trainer prepares it: unused columns dropped (remove_unused_columns),
+    `label` / `label_ids` renamed to `labels`. Other inputs are returned unchanged."""
+    if is_hf_dataset(data):
+        columns = list(data.column_names)
+        if args.remove_unused_columns:
+            keep = signature_columns(model, args.label_keys)
+            unused = [c for c in columns if c not in keep]
+            if len(unused) == len(columns):
+                from .data import DataError
+                raise DataError(f"{name} (datasets.Dataset): none of its columns {columns} is an argument of "
+                                f"{type(model).__name__}.forward; set remove_unused_columns=False if a "
+                                "data_collator builds the inputs")
+            if unused:
+                logger.info("%s: columns %s are not arguments of %s.forward and are dropped", name, unused,
+                            type(model).__name__)
+                data = data.remove_columns(unused)
+                columns = [c for c in columns if c not in unused]
+        if "labels" not in columns:
+            alias = next((a for a in LABEL_ALIASES if a in columns), None)
+            if alias is not None:
+                data = data.rename_column(alias, "labels")
+        return data
+    if _from(data, "datasets") and isinstance(data, torch.utils.data.IterableDataset) and args.remove_unused_columns:
+        keep = signature_columns(model, args.label_keys)
+        if hasattr(data, "column_names") and data.column_names:
+            unused = [c for c in data.column_names if c not in keep]
+            if unused:
+                data = data.remove_columns(unused)
+    return data
+
+
+# ---------------------------------------------------------------- outputs
+
+
+def loss_of(outputs: Any, required: bool = True):
+    """The model's loss: `loss` (dict key or attribute), or the first element of a tuple output."""
+    if isinstance(outputs, dict):  # HF ModelOutput is a dict too
+        loss = outputs.get("loss")
+    elif isinstance(outputs, (tuple, list)):
+        loss = outputs[0] if outputs and isinstance(outputs[0], torch.Tensor) and outputs[0].dim() == 0 else None
+    else:
+        loss = getattr(outputs, "loss", None)
+    if loss is None and required:
+        raise ValueError("the model returned no loss (a 'loss' key or attribute, or a scalar first element of a "
+                         "tuple); return one when labels are given, or pass compute_loss_func(outputs, labels, "
+                         "num_items_in_batch)")
+    return loss
+
+
+def predictions_of(outputs: Any, has_loss: bool, ignore_keys: list[str]):
+    """Every non-loss output, as HF's prediction_step: one tensor, or a tuple when there are several."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    if isinstance(outputs, dict):
+        logits = tuple(v for k, v in outputs.items() if k not in ignore_keys + ["loss"] and v is not None)
+    elif isinstance(outputs, (tuple, list)):
+        logits = tuple(outputs[1:] if has_loss and loss_of(outputs, required=False) is not None else outputs)
+    else:
+        logits = (getattr(outputs, "logits", None),)
+    logits = tuple(_detach(v) for v in logits)
+    return logits[0] if len(logits) == 1 else logits
+
+
+def _detach(v):
+    if isinstance(v, (tuple, list)):
+        return type(v)(_detach(x) for x in v)
+    return v.detach() if isinstance(v, torch.Tensor) else v
+
+
+def ignore_keys_for(model: Any) -> list[str]:
+    """HF's default: the config's keys_to_ignore_at_inference (past_key_values for most LMs)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return []
+    return list(getattr(config, "keys_to_ignore_at_inference", ["past_key_values"]))
+
+
+class LabelSmoother:
+    """HF's label smoothing: (1 - eps) * NLL + eps * mean over classes of -log p, over items whose
+    label is not -100. Returns the sum over items (the loop divides by the items of the step)."""
+
+    def __init__(self, epsilon: float, ignore_index: int = -100):
+        self.epsilon, self.ignore_index = epsilon, ignore_index
+
+    def __call__(self, outputs: Any, labels: torch.Tensor, shift_labels: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
+        if shift_labels:
+            logits, labels = logits[..., :-1, :].contiguous(), labels[..., 1:].contiguous()
+        log_probs = -torch.nn.functional.log_softmax(logits.float(), dim=-1)
+        if labels.dim() == log_probs.dim() - 1:
+            labels = labels.unsqueeze(-1)
+        padding = labels.eq(self.ignore_index)
+        nll = log_probs.gather(dim=-1, index=torch.clamp(labels, min=0)).masked_fill(padding, 0.0)
+        smooth = log_probs.sum(dim=-1, keepdim=True).masked_fill(padding, 0.0)
+        items = padding.numel() - padding.long().sum()
+        total = (1 - self.epsilon) * nll.sum() + self.epsilon * smooth.sum() / log_probs.shape[-1]
+        return total, items
+
+
+def is_causal_lm(model: Any) -> bool:
+    """HF shifts labels for label smoothing on causal LMs (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)."""
+    if not is_pretrained_model(model):
+        return False
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+
+
+# ---------------------------------------------------------------- saving
+
+
+def save_pretrained_files(model: Any, processing_class: Any, args: Any, directory: str) -> list[str]:
+    """What from_pretrained needs beside the weights: config.json (+ generation_config.json), the
+    processing class's files and training_args.bin. Returns the file names written."""
+    before = set(os.listdir(directory)) if os.path.isdir(directory) else set()
+    if is_pretrained_model(model):
+        model.config.save_pretrained(directory)
+        generation = getattr(model, "generation_config", None)
+        if generation is not None and getattr(model, "can_generate", lambda: False)():
+            generation.save_pretrained(directory)
+    if processing_class is not None and hasattr(processing_class, "save_pretrained"):
+        processing_class.save_pretrained(directory)
+    if args is not None:
+        torch.save(args, os.path.join(directory, "training_args.bin"))
+    return sorted(set(os.listdir(directory)) - before)
