@@ -37,7 +37,9 @@ class _Config(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
-    def __init__(self, **data: Any) -> None:
+    def __init__(self, __text: str | None = None, **data: Any) -> None:
+        if __text is not None:  # a section from a command line (HfArgumentParser): 'k=v,k2=v2' or JSON
+            data = {**_parse_section_text(type(self), __text), **data}
         try:
             super().__init__(**data)
         except ValidationError as e:
@@ -657,6 +659,25 @@ def _schema() -> type[_Config]:
             annotation = float  # validated as a number; _check_warmup_steps makes whole numbers ints
         spec[f.name] = (annotation, info)
     return create_model("TrainingArguments", __base__=_Rules, **spec)
+
+
+def _parse_section_text(cls: type, text: str) -> dict[str, Any]:
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{cls.__name__}: expected 'key=value,key2=value2' or a JSON object, got "
+                              f"{_value(text)} ({e.msg})") from None
+        if isinstance(value, dict):
+            return value
+    out = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"{cls.__name__}: expected 'key=value,key2=value2' or a JSON object, got {_value(text)}")
+        out[key.strip()] = _parse_scalar(value.strip())
+    return out
 
 
 # --- overrides and help ----------------------------------------------------------------
