@@ -472,15 +472,15 @@ _HF_NOOP_WARNINGS = {
     "use_liger_kernel": "use_liger_kernel is not supported; the model's own kernels are used",
     "logging_dir": "logging_dir is not used (no TensorBoard); logs are in trainer_state.json and MLflow",
     "fsdp_config": "fsdp_config is not used; put FSDP options in distributed.fsdp",
+    "include_for_metrics": "include_for_metrics is not supported; EvalPrediction holds predictions and label_ids",
 }
 _warned: set[str] = set()
 
 
 def _warn_noop_fields(args: TrainingArguments) -> None:
-    """Warn once per process for each accepted-but-ignored field set away from its default."""
-    defaults = {f.name: f.default for f in fields(TrainingArguments) if f.default is not MISSING}
+    """Warn once per process for each accepted-but-ignored field that is set (their defaults are off)."""
     for name, message in _HF_NOOP_WARNINGS.items():
-        if getattr(args, name) not in (defaults[name], None) and name not in _warned:
+        if getattr(args, name) and name not in _warned:
             _warned.add(name)
             logger.warning(message)
 

@@ -61,34 +61,29 @@ def signature_columns(model: Any, label_names: list[str]) -> list[str]:
 
 
 def prepare_dataset(data: Any, model: Any, args: Any, name: str) -> Any:
-    """A datasets.Dataset as HF's Trainer prepares it: unused columns dropped (remove_unused_columns),
-    `label` / `label_ids` renamed to `labels`. Other inputs are returned unchanged."""
-    if is_hf_dataset(data):
-        columns = list(data.column_names)
-        if args.remove_unused_columns:
-            keep = signature_columns(model, args.label_keys)
-            unused = [c for c in columns if c not in keep]
-            if len(unused) == len(columns):
-                from .data import DataError
-                raise DataError(f"{name} (datasets.Dataset): none of its columns {columns} is an argument of "
-                                f"{type(model).__name__}.forward; set remove_unused_columns=False if a "
-                                "data_collator builds the inputs")
-            if unused:
-                logger.info("%s: columns %s are not arguments of %s.forward and are dropped", name, unused,
-                            type(model).__name__)
-                data = data.remove_columns(unused)
-                columns = [c for c in columns if c not in unused]
-        if "labels" not in columns:
-            alias = next((a for a in LABEL_ALIASES if a in columns), None)
-            if alias is not None:
-                data = data.rename_column(alias, "labels")
+    """A datasets.Dataset (or streaming IterableDataset) as HF's Trainer prepares it: unused columns
+    dropped (remove_unused_columns), `label` / `label_ids` renamed to `labels`. Other inputs are
+    returned unchanged."""
+    if not (_from(data, "datasets") and hasattr(data, "remove_columns")):
         return data
-    if _from(data, "datasets") and isinstance(data, torch.utils.data.IterableDataset) and args.remove_unused_columns:
+    columns = list(getattr(data, "column_names", None) or [])  # None for a stream without features
+    if args.remove_unused_columns and columns:
         keep = signature_columns(model, args.label_keys)
-        if hasattr(data, "column_names") and data.column_names:
-            unused = [c for c in data.column_names if c not in keep]
-            if unused:
-                data = data.remove_columns(unused)
+        unused = [c for c in columns if c not in keep]
+        if len(unused) == len(columns):
+            from .data import DataError
+            raise DataError(f"{name} ({type(data).__name__}): none of its columns {columns} is an argument of "
+                            f"{type(model).__name__}.forward; set remove_unused_columns=False if a "
+                            "data_collator builds the inputs")
+        if unused:
+            logger.info("%s: columns %s are not arguments of %s.forward and are dropped", name, unused,
+                        type(model).__name__)
+            data = data.remove_columns(unused)
+            columns = [c for c in columns if c not in unused]
+    if "labels" not in columns:
+        alias = next((a for a in LABEL_ALIASES if a in columns), None)
+        if alias is not None:
+            data = data.rename_column(alias, "labels")
     return data
 
 
