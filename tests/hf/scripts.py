@@ -347,6 +347,19 @@ def metric_keys(metrics: dict) -> list[str]:
     return sorted(k for k in metrics if not k.endswith(NOT_COMPARED))
 
 
+def eval_dict_periodic(Trainer, TrainingArguments, out):
+    """eval_dataset= a dict for periodic evaluation; metric_for_best_model names one of its metrics. The
+    whole train set is one batch, so the data order does not matter and metrics compare exactly."""
+    args = TrainingArguments(str(out), max_steps=4, eval_strategy="steps", eval_steps=2, save_strategy="steps",
+                             save_steps=2, load_best_model_at_end=True, metric_for_best_model="eval_b_loss",
+                             per_device_train_batch_size=32, per_device_eval_batch_size=8, learning_rate=1e-2,
+                             logging_steps=2, **COMMON)
+    trainer = Trainer(model=TinyRegressor(), args=args, train_dataset=regression_data(),
+                      eval_dataset={"a": regression_data(16), "b": regression_data(8)})
+    trainer.train()
+    return trainer
+
+
 def np_close(a, b):
     if isinstance(a, tuple):
         return isinstance(b, tuple) and len(a) == len(b) and all(np_close(x, y) for x, y in zip(a, b))

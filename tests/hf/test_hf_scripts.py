@@ -129,6 +129,7 @@ def test_resume_with_changed_batch_size_warns_and_reaches_max_steps(tmp_path, ca
         out = trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     assert out.global_step == 6 and trainer.state.global_step == 6
     assert any(rec.name == "raytrain.loop" and rec.levelno == logging.WARNING and "checkpoint-2" in rec.getMessage()
+               and "batch_size 8 -> 4" in rec.getMessage()
                for rec in caplog.records), [rec.getMessage() for rec in caplog.records]
 
 
@@ -193,6 +194,15 @@ def test_evaluate_dict_of_datasets_prefixes_like_hf(tmp_path):
     assert {"eval_a_loss", "eval_a_accuracy", "eval_b_loss", "eval_b_accuracy"} <= set(r)
     for k in ("eval_a_loss", "eval_b_loss", "eval_a_accuracy", "eval_b_accuracy"):
         assert r[k] == pytest.approx(h[k], rel=1e-5)
+
+
+def test_periodic_evaluation_on_a_dict_with_best_metric_naming_one_like_hf(tmp_path):
+    h = scripts.eval_dict_periodic(*hf(), tmp_path / "hf")
+    r = scripts.eval_dict_periodic(*rt(), tmp_path / "rt")
+    assert _keys(r.state.log_history) == _keys(h.state.log_history)
+    assert any("eval_b_loss" in e for e in r.state.log_history)
+    assert r.state.best_metric == pytest.approx(h.state.best_metric, rel=1e-5)
+    assert os.path.basename(r.state.best_model_checkpoint) == os.path.basename(h.state.best_model_checkpoint)
 
 
 @pytest.mark.xfail(strict=True, reason="raytrain bug: evaluate() returns metrics without 'epoch'; HF's log() adds "
