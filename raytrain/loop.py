@@ -131,35 +131,16 @@ def _keep_only_best(trainer) -> None:
 
 
 def _setup(trainer) -> _Run:
-    """Strategy, model, optimizer, scheduler, data and a fresh TrainerState for this rank."""
+    """Strategy, data, model, optimizer, scheduler and a fresh TrainerState for this rank."""
     args = trainer.args
     strategy = trainer._get_strategy()
+    data = _train_source(trainer, strategy)
+    n_batches, steps_per_epoch, max_steps, epochs = _plan_steps(args, data)
     opt, sched = trainer.optimizers
     if trainer.lr_scheduler is not None and trainer.lr_scheduler is not sched:
         trainer.lr_scheduler = None  # a schedule created by an earlier train() starts over, as HF
-    model, optimizer = strategy.setup(trainer.model, trainer.create_optimizer, opt)
+    model, optimizer = strategy.setup(trainer.model, trainer._optimizer_factory(max_steps), opt)
     trainer.model_wrapped, trainer.optimizer = model, optimizer
-    data = trainer.get_train_dataloader()
-    if not hasattr(data, "iter_batches"):  # an overridden get_train_dataloader returned a plain iterable
-        data = LoaderSource(data, rank=strategy.rank, world_size=strategy.world_size)
-    check_iterable_training(data, args.max_steps)
-    if trainer.eval_dataset is not None:  # a mismatched eval set fails now, not at the first evaluation
-        from .trainer import is_named_datasets
-        evals = trainer.eval_dataset if is_named_datasets(trainer.eval_dataset) else {None: trainer.eval_dataset}
-        for name in evals:
-            check_same_schema(data, trainer.get_eval_dataloader(name))
-    ga = args.gradient_accumulation_steps
-    n_batches = num_batches(data)
-    if n_batches is None:  # a stream: HF counts max_steps * accumulation micro-batches as its epoch
-        steps_per_epoch, max_steps, epochs = args.max_steps, args.max_steps, 1
-    else:
-        steps_per_epoch = max(1, math.ceil(n_batches / ga))
-        if args.max_steps > 0:
-            max_steps = args.max_steps
-            epochs = math.ceil(max_steps / steps_per_epoch)
-        else:
-            max_steps = math.ceil(args.num_train_epochs * steps_per_epoch)
-            epochs = math.ceil(args.num_train_epochs)
     trainer.create_scheduler(max_steps, optimizer)
     cb = trainer.callback_handler
     cb.model, cb.optimizer, cb.lr_scheduler, cb.train_dataloader = model, optimizer, trainer.lr_scheduler, data
@@ -180,6 +161,32 @@ def _setup(trainer) -> _Run:
                                        save_async=args.save_async)
     return _Run(trainer, strategy, data, steps_per_epoch, n_batches, writer=writer,
                 tr_loss=torch.zeros((), device=strategy.device))
+
+
+def _train_source(trainer, strategy):
+    """get_train_dataloader's source (a plain iterable of batches is wrapped); eval sets checked against it."""
+    data = trainer.get_train_dataloader()
+    if not hasattr(data, "iter_batches"):  # an overridden get_train_dataloader returned a plain iterable
+        data = LoaderSource(data, rank=strategy.rank, world_size=strategy.world_size)
+    check_iterable_training(data, trainer.args.max_steps)
+    if trainer.eval_dataset is not None:  # a mismatched eval set fails now, not at the first evaluation
+        from .trainer import is_named_datasets
+        evals = trainer.eval_dataset if is_named_datasets(trainer.eval_dataset) else {None: trainer.eval_dataset}
+        for name in evals:
+            check_same_schema(data, trainer.get_eval_dataloader(name))
+    return data
+
+
+def _plan_steps(args, data) -> tuple[int | None, int, int, int]:
+    """(batches per epoch, update steps per epoch, max_steps, epochs); a stream's epoch is max_steps long."""
+    n_batches = num_batches(data)
+    if n_batches is None:
+        return None, args.max_steps, args.max_steps, 1
+    steps_per_epoch = max(1, math.ceil(n_batches / args.gradient_accumulation_steps))
+    if args.max_steps > 0:
+        return n_batches, steps_per_epoch, args.max_steps, math.ceil(args.max_steps / steps_per_epoch)
+    return (n_batches, steps_per_epoch, math.ceil(args.num_train_epochs * steps_per_epoch),
+            math.ceil(args.num_train_epochs))
 
 
 def _windows(run: _Run):

@@ -275,9 +275,10 @@ class Trainer:
 
     # ------------------------------------------------------------ overridable: optimizer and schedule
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
-        """The optimizer over `model`'s parameters (after the backend wrapped it): optimizer_cls_and_kwargs
+        """The optimizer over `model`'s parameters (as the backend placed them): optimizer_cls_and_kwargs
         if given, else args.optim; weight decay skips biases and norms."""
-        model = model if model is not None else (self.model_wrapped or self.model)
+        if model is None:
+            model = self.__dict__.get("_placed_model") or self.model_wrapped or self.model
         if self.optimizer is None:
             if self.optimizer_cls_and_kwargs is not None:
                 cls, kwargs = self.optimizer_cls_and_kwargs
@@ -296,6 +297,22 @@ class Trainer:
     def create_optimizer_and_scheduler(self, num_training_steps: int) -> None:
         self.create_optimizer()
         self.create_scheduler(num_training_steps, self.optimizer)
+
+    def _optimizer_factory(self, num_training_steps: int) -> Callable[[torch.nn.Module], torch.optim.Optimizer]:
+        """What the strategy calls once it placed the model: create_optimizer, or an overridden
+        create_optimizer_and_scheduler (whose create_optimizer() then sees the placed model)."""
+        overridden = type(self).create_optimizer_and_scheduler is not Trainer.create_optimizer_and_scheduler
+
+        def build(model: torch.nn.Module) -> torch.optim.Optimizer:
+            if not overridden:
+                return self.create_optimizer(model)
+            self._placed_model = model
+            try:
+                self.create_optimizer_and_scheduler(num_training_steps)
+            finally:
+                del self._placed_model
+            return self.optimizer
+        return build
 
     # ------------------------------------------------------------ overridable maths
     def _prepare_inputs(self, inputs: dict) -> dict:

@@ -183,3 +183,19 @@ def test_restore_callback_states_from_checkpoint_brings_back_constructor_argumen
         early = next(cb for cb in r.callback_handler.callbacks if isinstance(cb, EarlyStoppingCallback))
         assert early.early_stopping_patience == patience
         assert early.early_stopping_patience_counter == 1  # the attributes come back either way
+
+
+def test_overridden_create_optimizer_and_scheduler_is_called_with_the_step_count(tmp_path):
+    class Custom(Trainer):
+        steps_seen: list[int] = []
+
+        def create_optimizer_and_scheduler(self, num_training_steps):
+            self.steps_seen.append(num_training_steps)
+            self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.2)
+            self.lr_scheduler = torch.optim.lr_scheduler.StepLR(self.optimizer, step_size=100)
+
+    t = Custom(TinyClassifier(), args_for(tmp_path, num_train_epochs=2, per_device_train_batch_size=4,
+                                          save_strategy="no"), train_dataset=columns(16))
+    t.train()
+    assert Custom.steps_seen == [8] and isinstance(t.optimizer, torch.optim.SGD)
+    assert t.get_learning_rates() == [0.2]

@@ -134,9 +134,11 @@ def test_resume_with_changed_batch_size_warns_and_reaches_max_steps(tmp_path, ca
 
 
 # ---------------------------------------------------------------- 8. final-step evaluation event order
-def test_event_order_matches_hf_with_final_step_evaluation(tmp_path):
-    _, h_events = scripts.event_order(*hf(), scripts.hf_callback_base(), tmp_path / "hf")
-    _, r_events = scripts.event_order(*rt(), scripts.rt_callback_base(), tmp_path / "rt")
+@pytest.mark.parametrize("kw", [{}, {"gradient_accumulation_steps": 2, "per_device_train_batch_size": 4,
+                                      "per_device_eval_batch_size": 8}], ids=["plain", "accumulation"])
+def test_event_order_matches_hf_with_final_step_evaluation(tmp_path, kw):
+    _, h_events = scripts.event_order(*hf(), scripts.hf_callback_base(), tmp_path / "hf", **kw)
+    _, r_events = scripts.event_order(*rt(), scripts.rt_callback_base(), tmp_path / "rt", **kw)
     assert ("on_evaluate", 5) in h_events  # the final step (5, not a multiple of 2) is evaluated
     assert r_events == h_events
 
@@ -147,6 +149,7 @@ def test_rotation_with_best_checkpoint_keeps_what_hf_keeps(tmp_path):
     r, r_kept = scripts.rotation(*rt(), tmp_path / "rt")
     assert len(h_kept) <= 2
     assert r_kept == h_kept
+    assert "checkpoint-2" in r_kept  # the best (score 0.9) survives rotation
     assert os.path.basename(r.state.best_model_checkpoint) == os.path.basename(h.state.best_model_checkpoint)
 
 
