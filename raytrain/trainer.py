@@ -68,6 +68,7 @@ class Trainer:
         self.label_smoother = (hf.LabelSmoother(self.args.label_smoothing_factor)
                                if self.args.label_smoothing_factor else None)
         self._strategy = None
+        self._ignore_keys_for_eval: list[str] | None = None
         self._trial_name: str | None = None
         self._trial_params: dict | None = None
         defaults = [DefaultFlowCallback, PrinterCallback if self.args.disable_tqdm else ProgressCallback]
