@@ -253,9 +253,9 @@ def recorder_class(base):
 
 def event_order(Trainer, TrainingArguments, callback_base, out, **kw):
     rec = recorder_class(callback_base)()
+    kw = {"per_device_train_batch_size": 8, "per_device_eval_batch_size": 16, **kw}
     args = TrainingArguments(str(out), max_steps=5, eval_strategy="steps", eval_steps=2, save_strategy="steps",
-                             save_steps=2, logging_steps=2, per_device_train_batch_size=8,
-                             per_device_eval_batch_size=16, learning_rate=1e-2, **COMMON, **kw)
+                             save_steps=2, logging_steps=2, learning_rate=1e-2, **COMMON, **kw)
     trainer = Trainer(model=TinyRegressor(), args=args, train_dataset=regression_data(),
                       eval_dataset=regression_data(16), callbacks=[rec])
     trainer.train()

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 
 import pytest
 
-from tests.hf.scripts import hf, rt
+from .scripts import hf, rt
 
 
 @dataclass

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from tests.hf import scripts
-from tests.hf.scripts import hf, rt
+from . import scripts
+from .scripts import hf, rt
 
 CHECKPOINT_RUNTIME = {"optimizer.pt", "scheduler.pt", "rng_state.pth", "scaler.pt"}
 

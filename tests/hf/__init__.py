@@ -1,0 +1,1 @@
+"""Tests of the HF drop-in (issue 8)."""
