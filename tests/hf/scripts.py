@@ -360,6 +360,23 @@ def eval_dict_periodic(Trainer, TrainingArguments, out):
     return trainer
 
 
+def predict_and_save_metrics(Trainer, TrainingArguments, out):
+    """predict() on a mapped datasets.Dataset as plain lists and with set_format("torch"); then
+    log_metrics / save_metrics / save_state as HF's example scripts do."""
+    from transformers import DataCollatorWithPadding
+
+    tok, _, test = tokenized_classification()
+    args = TrainingArguments(str(out), per_device_eval_batch_size=8, **COMMON)
+    trainer = Trainer(model=bert(tok), args=args, processing_class=tok, data_collator=DataCollatorWithPadding(tok),
+                      compute_metrics=accuracy)
+    lists = trainer.predict(test)
+    torch_format = trainer.predict(test.with_format("torch"))
+    trainer.log_metrics("test", lists.metrics)
+    trainer.save_metrics("test", lists.metrics)
+    trainer.save_state()
+    return lists, torch_format, sorted(os.listdir(out))
+
+
 def np_close(a, b):
     if isinstance(a, tuple):
         return isinstance(b, tuple) and len(a) == len(b) and all(np_close(x, y) for x, y in zip(a, b))

@@ -217,6 +217,16 @@ def test_evaluate_returns_epoch_like_hf(tmp_path):
     assert r.get("epoch") == h["epoch"]
 
 
+def test_predict_lists_and_torch_format_and_metrics_files_like_hf(tmp_path):
+    h_lists, h_torch, h_files = scripts.predict_and_save_metrics(*hf(), tmp_path / "hf")
+    r_lists, r_torch, r_files = scripts.predict_and_save_metrics(*rt(), tmp_path / "rt")
+    for h, r in ((h_lists, r_lists), (h_torch, r_torch)):
+        assert scripts.np_close(r.predictions, h.predictions)
+        assert (r.label_ids == h.label_ids).all()
+        assert scripts.metric_keys(r.metrics) == scripts.metric_keys(h.metrics)
+    assert r_files == h_files == ["all_results.json", "test_results.json", "trainer_state.json"]
+
+
 # ---------------------------------------------------------------- 14. dataloader workers
 def test_dataloader_workers_give_the_same_losses(tmp_path):
     from transformers import DataCollatorWithPadding
