@@ -15,7 +15,7 @@ import numpy as np
 class TrainerState:
     """Everything about the run's progress that trainer_state.json records (HF's field names)."""
 
-    epoch: float | None = None
+    epoch: float | None = 0  # as HF: 0 before training
     global_step: int = 0
     max_steps: int = 0
     logging_steps: int = 500

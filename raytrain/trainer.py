@@ -172,11 +172,12 @@ class Trainer:
         self.callback_handler.remove_callback(callback)
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        """Append to log_history (with epoch and step, as HF) and fire on_log."""
+        """Append to log_history (with epoch and step, as HF) and fire on_log. As HF, `logs` itself gets
+        the epoch (so evaluate()'s metrics carry it)."""
         if self.state.epoch is not None:
-            logs = {**logs, "epoch": self.state.epoch}
+            logs["epoch"] = self.state.epoch
         if self.args.include_num_input_tokens_seen != "no":
-            logs = {**logs, "num_input_tokens_seen": self.state.num_input_tokens_seen}
+            logs["num_input_tokens_seen"] = self.state.num_input_tokens_seen
         self.state.log_history.append({**logs, "step": self.state.global_step})
         self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
 

@@ -208,8 +208,6 @@ def test_periodic_evaluation_on_a_dict_with_best_metric_naming_one_like_hf(tmp_p
     assert os.path.basename(r.state.best_model_checkpoint) == os.path.basename(h.state.best_model_checkpoint)
 
 
-@pytest.mark.xfail(strict=True, reason="raytrain bug: evaluate() returns metrics without 'epoch'; HF's log() adds "
-                   "state.epoch into the very dict evaluate() returns (so log_metrics('eval', metrics) shows it)")
 def test_evaluate_returns_epoch_like_hf(tmp_path):
     h = scripts.eval_dict(*hf(), tmp_path / "hf")
     r = scripts.eval_dict(*rt(), tmp_path / "rt")
