@@ -514,13 +514,10 @@ class _Rules(_Config):
     def _parse_optim_args(cls, v: Any) -> Any:
         if not isinstance(v, str):
             return v
-        out = {}
-        for item in filter(None, (s.strip() for s in v.split(","))):
-            key, sep, value = item.partition("=")
-            if not sep or not key.strip():
-                raise ValueError(f"expected 'key=value,key2=value2', got {v!r}")
-            out[key.strip()] = _parse_scalar(value.strip())
-        return out
+        pairs = _parse_pairs(v)
+        if pairs is None:
+            raise ValueError(f"expected 'key=value,key2=value2', got {v!r}")
+        return pairs
 
     @field_validator("lr_scheduler_kwargs", "gradient_checkpointing_kwargs", "fsdp_config", "deepspeed",
                      mode="before", check_fields=False)
@@ -671,11 +668,19 @@ def _parse_section_text(cls: type, text: str) -> dict[str, Any]:
                               f"{_value(text)} ({e.msg})") from None
         if isinstance(value, dict):
             return value
+    pairs = _parse_pairs(text)
+    if pairs is None:
+        raise ConfigError(f"{cls.__name__}: expected 'key=value,key2=value2' or a JSON object, got {_value(text)}")
+    return pairs
+
+
+def _parse_pairs(text: str) -> dict[str, Any] | None:
+    """'k=v,k2=v2' as a mapping with YAML-typed values; None when it is not of that form."""
     out = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(f"{cls.__name__}: expected 'key=value,key2=value2' or a JSON object, got {_value(text)}")
+            return None
         out[key.strip()] = _parse_scalar(value.strip())
     return out
 
