@@ -89,11 +89,29 @@ def build_job(args: TrainingArguments) -> dict[str, Any]:
     else:
         raise ConfigError(f"data.factory: {args.data.factory} must return (train, eval) or "
                           "{'train': ..., 'eval': ...}")
+    for split in ("train", "eval"):
+        _check_items(job[f"{split}_dataset"], f"data.factory: {args.data.factory} returned a {split} dataset")
     if args.data.collator:
         job["data_collator"] = import_string(args.data.collator, "data.collator")
     if args.data.compute_metrics:
         job["compute_metrics"] = import_string(args.data.compute_metrics, "data.compute_metrics")
     return job
+
+
+def _check_items(dataset, what: str) -> None:
+    """A map-style dataset must yield dicts (one tensor or array per column); said before training."""
+    from collections.abc import Mapping
+
+    if dataset is None or isinstance(dataset, Mapping) or not hasattr(dataset, "__getitem__") \
+            or not hasattr(dataset, "__len__") or type(dataset).__module__.startswith(("pyarrow", "ray.")):
+        return
+    try:
+        first = dataset[0] if len(dataset) else None
+    except Exception:
+        return  # not indexable by position: data.py says what it accepts
+    if first is not None and not isinstance(first, Mapping):
+        raise ConfigError(f"{what} whose items are {type(first).__name__}; each item must be a dict of "
+                          "tensors, one per model input and 'labels' (e.g. {'pixels': ..., 'labels': ...})")
 
 
 def _resume_arg(value: str, args: TrainingArguments):
@@ -123,8 +141,10 @@ _CLI_WORDS = [
     ("resume_from_checkpoint=True", "--resume auto"),
     ("resume_from_checkpoint='auto'", "--resume auto"),
     ("pass its path", "pass it with --resume PATH"),
-    ("set overwrite_output_dir", "--set overwrite_output_dir=true"),
-    ("set ignore_data_skip", "--set ignore_data_skip=true"),
+    ("set overwrite_output_dir to", "--set overwrite_output_dir=true to"),
+    ("set ignore_data_skip to", "--set ignore_data_skip=true to"),
+    ("the model returned no 'loss'", "the model (model.factory) returned no 'loss'"),
+    (", or pass compute_loss_func(outputs, labels, num_items_in_batch)", ""),
 ]
 
 
@@ -140,21 +160,30 @@ class _Session:
     def __init__(self, ns):
         self.ns = ns
         self.log_path: str | None = None
+        self.handler: logging.Handler | None = None
 
     def open_log(self, output_dir: str) -> None:
         os.makedirs(output_dir, exist_ok=True)
         self.log_path = os.path.join(output_dir, LOG_FILE)
-        handler = logging.FileHandler(self.log_path)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        self.handler = logging.FileHandler(self.log_path)
+        self.handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         with open(self.log_path, "a") as f:  # the command heads each invocation's part of the log
             f.write(f"\n=== {continue_command(keep_resume=True)}\n")
-        logging.getLogger().addHandler(handler)
+        logging.getLogger().addHandler(self.handler)
+
+    def close(self) -> None:
+        if self.handler is not None:
+            logging.getLogger().removeHandler(self.handler)
+            self.handler.close()
 
     def fail(self, error: BaseException) -> int:
         from .interrupt import Interrupted
 
-        if self.log_path:
-            logger.error("failed: %s", error, exc_info=error)
+        if self.log_path:  # the traceback goes to the file only
+            import traceback
+
+            with open(self.log_path, "a") as f:
+                f.write("".join(traceback.format_exception(error)))
         if isinstance(error, (Interrupted, KeyboardInterrupt)):
             signum = getattr(error, "signum", 2)
             print(f"interrupted before training started or after it ended; nothing new was saved "
@@ -229,6 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         return _main(ns, session)
     except (Exception, KeyboardInterrupt) as e:
         return session.fail(e)
+    finally:
+        session.close()
 
 
 def _main(ns, session: _Session) -> int:
