@@ -14,6 +14,7 @@ import json
 import logging
 import os
 import shlex
+import signal
 import sys
 from typing import Any, Callable
 
@@ -161,6 +162,7 @@ class _Session:
         self.ns = ns
         self.log_path: str | None = None
         self.handler: logging.Handler | None = None
+        self.phase = "before training started (while building the model and the data)"
 
     def open_log(self, output_dir: str) -> None:
         os.makedirs(output_dir, exist_ok=True)
@@ -185,9 +187,9 @@ class _Session:
             with open(self.log_path, "a") as f:
                 f.write("".join(traceback.format_exception(error)))
         if isinstance(error, (Interrupted, KeyboardInterrupt)):
-            signum = getattr(error, "signum", 2)
-            print(f"interrupted before training started or after it ended; nothing new was saved "
-                  f"(continue with: {continue_command()})", file=sys.stderr)
+            signum = getattr(error, "signum", signal.SIGINT)
+            print(f"{signal.Signals(signum).name}: interrupted {self.phase}; nothing new was saved; "
+                  f"continue with: {continue_command()}", file=sys.stderr)
             return 128 + signum
         fixable = _fixable(error)
         if fixable is None or self.ns.debug:
@@ -288,6 +290,7 @@ def _main(ns, session: _Session) -> int:
         if stop.stopped_at is not None:
             run.end("KILLED")
             return _stopped(trainer, stop)
+        session.phase = "after training (in the final evaluation and save; the last checkpoint is complete)"
         summary = {"global_step": out.global_step, "train_loss": out.training_loss,
                    "train_runtime": out.metrics.get("train_runtime")}
         if trainer.eval_dataset is not None:

@@ -47,3 +47,10 @@ class Slow(DigitsMLP):
 
 def slow_model(delay: float = 0.02, **kwargs) -> nn.Module:
     return Slow(delay, **kwargs)
+
+
+def waiting_model(marker: str = "", delay=None, **kwargs) -> nn.Module:
+    """Touches `marker`, then takes its time building: a signal sent now lands before training."""
+    open(marker, "w").close()
+    time.sleep(30)
+    return DigitsMLP(**kwargs)
