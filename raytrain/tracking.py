@@ -89,8 +89,10 @@ def params_of(args, trial_params: dict | None = None) -> dict[str, str]:
 
 def run_tags(args) -> dict[str, str]:
     """strategy, world size, the Ray job (under `ray job submit`) and the git commit of the cwd."""
-    tags = {"raytrain.strategy": str(getattr(args.distributed, "strategy", "single")),
-            "raytrain.world_size": str(args.scaling.num_workers)}
+    workers, strategy = args.scaling.num_workers, args.distributed.strategy
+    if strategy == "auto" or (workers <= 1 and strategy == "ddp"):  # as strategies.create_strategy picks
+        strategy = "ddp" if workers > 1 else "single"
+    tags = {"raytrain.strategy": strategy, "raytrain.world_size": str(workers)}
     job = _ray_job_id()
     if job:
         tags["ray.job_id"] = job
@@ -126,10 +128,20 @@ def create_run(mlflow_client, args, run_name: str | None = None, trial_params: d
     """A new run in MLFLOW_EXPERIMENT_NAME (default 'raytrain') with params and tags; its id."""
     name = os.environ.get("MLFLOW_EXPERIMENT_NAME", "raytrain")
     exp = mlflow_client.get_experiment_by_name(name)
-    exp_id = exp.experiment_id if exp is not None else mlflow_client.create_experiment(name)
-    run = mlflow_client.create_run(exp_id, run_name=run_name or args.run_name, tags=run_tags(args))
+    exp_id = exp.experiment_id if exp is not None else \
+        mlflow_client.create_experiment(name, artifact_location=_artifact_location(mlflow_client.tracking_uri))
+    run = mlflow_client.create_run(exp_id, run_name=redact(run_name or args.run_name), tags=run_tags(args))
     log_params(mlflow_client, run.info.run_id, params_of(args, trial_params))
     return run.info.run_id
+
+
+def _artifact_location(uri: str) -> str | None:
+    """Artifacts of an SQLite store go beside its file (mlartifacts/), not into the cwd's ./mlruns."""
+    if not uri.startswith("sqlite:///"):
+        return None  # a server decides
+    from pathlib import Path
+
+    return (Path(uri[len("sqlite:///"):]).parent / "mlartifacts").as_uri()
 
 
 def reopen_run(mlflow_client, run_id: str, args, trial_params: dict | None = None) -> None:

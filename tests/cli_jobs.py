@@ -54,3 +54,10 @@ def waiting_model(marker: str = "", delay=None, **kwargs) -> nn.Module:
     open(marker, "w").close()
     time.sleep(30)
     return DigitsMLP(**kwargs)
+
+
+def digits_with_key(api_key: str | None = None, **kwargs):
+    """The digits datasets, from a factory that takes a credential (which must never be logged)."""
+    from examples.digits import build_datasets
+
+    return build_datasets(**kwargs)

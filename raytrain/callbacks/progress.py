@@ -43,7 +43,8 @@ def describe_run(args, state, model=None, train_dataloader=None) -> str:
     epochs = state.num_train_epochs
     parts.append(f"{state.max_steps} steps ({epochs} epoch{'' if epochs == 1 else 's'})")
     workers = args.scaling.num_workers
-    parts.append(f"{workers} processes ({args.distributed.strategy})" if workers > 1 else "1 process")
+    strategy = "ddp" if args.distributed.strategy == "auto" else args.distributed.strategy
+    parts.append(f"{workers} processes ({strategy})" if workers > 1 else "1 process")
     parts.append(f"output_dir {args.output_dir}")
     parts.append(f"resuming at step {state.global_step}" if state.global_step else "from step 0")
     return "training " + " | ".join(parts)
