@@ -9,6 +9,7 @@ stderr with --debug. Ctrl-C or SIGTERM saves a checkpoint at the next step bound
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import logging
@@ -268,7 +269,7 @@ def _main(ns, session: _Session) -> int:
     args = TrainingArguments.from_yaml(ns.config, ns.overrides)
     resume = _resume_arg(ns.resume, args)
     _status(f"importing torch and {args.model.factory if args.model else 'the model'} ...")
-    from .interrupt import StopOnSignal, graceful_stop
+    from .interrupt import StopOnSignal, graceful_stop, ray_train_signals
     from .trainer import Trainer, set_seed
 
     with graceful_stop() as stop:
@@ -283,9 +284,13 @@ def _main(ns, session: _Session) -> int:
         run = _TrackedRun.open(trainer, resume)
         trainer.add_callback(StopOnSignal(stop))
         try:
-            out = trainer.train(resume_from_checkpoint=resume)
+            # In Ray workers, a signal makes them save and stop (ray_train_signals); here, StopOnSignal.
+            with ray_train_signals(stop) if args.should_use_distributed else contextlib.nullcontext():
+                out = trainer.train(resume_from_checkpoint=resume)
         except BaseException:
-            run.end("FAILED")
+            run.end("KILLED" if stop.signum else "FAILED")
+            if stop.signum and args.should_use_distributed:  # the workers saved; Ray reports their stop
+                return _stopped_workers(args, stop)
             raise
         if stop.stopped_at is not None:
             run.end("KILLED")
@@ -320,6 +325,16 @@ def _stopped(trainer, stop) -> int:
         saved = f"saved {checkpoint_dir(args.output_dir, step)}"
     print(f"{stop.name}: stopped at step {step}/{trainer.state.max_steps}; {saved}; "
           f"continue with: {continue_command()}", file=sys.stderr, flush=True)
+    return stop.exit_code
+
+
+def _stopped_workers(args, stop) -> int:
+    from .checkpoint import get_last_checkpoint
+
+    path = get_last_checkpoint(args.output_dir)
+    saved = f"saved {path}" if path and args.save_strategy != "no" else "nothing saved"
+    print(f"{stop.name}: the workers stopped; {saved}; continue with: {continue_command()}", file=sys.stderr,
+          flush=True)
     return stop.exit_code
 
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -39,7 +40,7 @@ def _signal_at_step(p: subprocess.Popen, step: int, *signums: int, gap: float = 
     deadline = time.monotonic() + 240
     for line in p.stderr:
         seen.append(line)
-        if line.startswith(f"step {step}/"):
+        if re.search(rf"(^|\s)step {step}/", line):  # Ray prefixes a worker's lines with its name
             for s in signums:
                 p.send_signal(s)
                 time.sleep(gap)
@@ -119,3 +120,19 @@ def test_ctrl_c_before_training_is_one_line(tmp_path):
         "saved; continue with: " + shlex.join(["python", "-m", "raytrain.run", *_job(
             tmp_path / "o", 0.0, "--set", "model.factory=tests.cli_jobs:waiting_model", "--set", "model.delay=null",
             "--set", f"model.marker={marker}")])]
+
+
+@pytest.mark.ray
+def test_ctrl_c_on_the_driver_of_a_ray_run_makes_the_workers_save(tmp_path):
+    # Ray's own SIGINT handler would abort the workers at once; raytrain's sends them SIGTERM instead,
+    # so they save at the next step boundary (as for a spot preemption), then ends the run.
+    out = tmp_path / "o"
+    p = _popen(_job(out, 0.05, "--set", "scaling.num_workers=2"))
+    err = _signal_at_step(p, 5, signal.SIGINT)  # rank 0's progress lines reach the driver through Ray
+    assert p.returncode == 130, err[-3000:]
+    assert "sent SIGTERM to 2 Ray Train worker(s): each saves and stops" in err
+    (line,) = [ln for ln in err.splitlines() if ln.startswith("SIGINT: the workers stopped")]
+    m = re.fullmatch(r"SIGINT: the workers stopped; saved (\S+/checkpoint-(\d+)); continue with: python -m "
+                     r"raytrain\.run .*", line)
+    assert m and m.group(1).startswith(str(out)), line
+    assert 5 <= int(m.group(2)) < 46 and verify_checkpoint(m.group(1))["global_step"] == int(m.group(2))
