@@ -25,7 +25,8 @@ class ReportError(ValueError):
 
 
 def training_curves(log_history: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
-    """{metric: (steps, values)} for the train keys and every eval_* metric in a log history."""
+    """{metric: (steps, values)} for the train keys and every eval_* metric in a log history; a metric
+    logged twice at one step keeps its first value, so each curve is a function of the step."""
     curves: dict[str, tuple[list[int], list[float]]] = {}
     for entry in log_history:
         step = entry.get("step")
@@ -33,6 +34,8 @@ def training_curves(log_history: list[dict]) -> dict[str, tuple[list[int], list[
             wanted = key in _TRAIN_KEYS or (key.startswith("eval_") and not key.endswith(_NOT_CURVES))
             if wanted and isinstance(value, (int, float)) and not isinstance(value, bool) and step is not None:
                 xs, ys = curves.setdefault(key, ([], []))
+                if xs and xs[-1] == int(step):
+                    continue  # a second evaluation at one step (the CLI's final one, of the best model)
                 xs.append(int(step))
                 ys.append(float(value))
     order = {k: i for i, k in enumerate(_TRAIN_KEYS)}  # train curves first, then eval metrics by name
