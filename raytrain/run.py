@@ -91,8 +91,9 @@ def build_job(args: TrainingArguments) -> dict[str, Any]:
     else:
         raise ConfigError(f"data.factory: {args.data.factory} must return (train, eval) or "
                           "{'train': ..., 'eval': ...}")
-    for split in ("train", "eval"):
-        _check_items(job[f"{split}_dataset"], f"data.factory: {args.data.factory} returned a {split} dataset")
+    for split in ("train", "eval"):  # a data.collator may take any item; the default one takes dicts
+        if not args.data.collator:
+            _check_items(job[f"{split}_dataset"], f"data.factory: {args.data.factory} returned a {split} dataset")
     if args.data.collator:
         job["data_collator"] = import_string(args.data.collator, "data.collator")
     if args.data.compute_metrics:
@@ -296,23 +297,39 @@ def _main(ns, session: _Session) -> int:
             run.end("KILLED")
             return _stopped(trainer, stop)
         session.phase = "after training (in the final evaluation and save; the last checkpoint is complete)"
-        summary = {"global_step": out.global_step, "train_loss": out.training_loss,
-                   "train_runtime": out.metrics.get("train_runtime")}
-        if trainer.eval_dataset is not None:
-            summary.update(trainer.evaluate())
-        final = trainer.save_model(os.path.join(args.output_dir, "final"))
-        trainer.state.save_to_json(os.path.join(args.output_dir, "trainer_state.json"))
-        summary["model"] = os.path.join(final, "model.safetensors")
-        if trainer.state.best_model_checkpoint:
-            summary["best_model_checkpoint"] = trainer.state.best_model_checkpoint
-        if ns.report:
-            from .report import write_report
-            summary["plots"] = os.path.join(args.output_dir, "plots")
-            write_report(args.output_dir)
-        run.finish(final, trainer.state.best_model_checkpoint)
+        try:
+            summary = _finish(trainer, out, ns.report, run)
+        except BaseException:
+            run.end("KILLED" if stop.signum else "FAILED")
+            raise
     print("summary: " + json.dumps(summary, default=str))
     run.print_ui_line()
     return 0
+
+
+def _finish(trainer, out, report: bool, run: _TrackedRun) -> dict:
+    """After training: the final evaluation, model, trainer_state.json, plots and MLflow artifacts."""
+    args = trainer.args
+    summary = {"global_step": out.global_step, "train_loss": out.training_loss,
+               "train_runtime": out.metrics.get("train_runtime")}
+    if trainer.eval_dataset is not None:
+        summary.update(trainer.evaluate())
+    final = trainer.save_model(os.path.join(args.output_dir, "final"))
+    trainer.state.save_to_json(os.path.join(args.output_dir, "trainer_state.json"))
+    summary["model"] = os.path.join(final, "model.safetensors")
+    if trainer.state.best_model_checkpoint:
+        summary["best_model_checkpoint"] = trainer.state.best_model_checkpoint
+    if report:
+        from .report import write_report
+
+        try:
+            write_report(args.output_dir)
+            summary["plots"] = os.path.join(args.output_dir, "plots")
+        except Exception as e:  # noqa: BLE001 - plots are a convenience: never fail a finished run
+            logger.warning("plots not written (%s: %s); python -m raytrain.report %s retries",
+                           type(e).__name__, e, args.output_dir)
+    run.finish(final, trainer.state.best_model_checkpoint)
+    return summary
 
 
 def _stopped(trainer, stop) -> int:
