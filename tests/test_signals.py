@@ -131,6 +131,7 @@ def test_ctrl_c_on_the_driver_of_a_ray_run_makes_the_workers_save(tmp_path):
     err = _signal_at_step(p, 5, signal.SIGINT)  # rank 0's progress lines reach the driver through Ray
     assert p.returncode == 130, err[-3000:]
     assert "sent SIGTERM to 2 Ray Train worker(s): each saves and stops" in err
+    assert len([ln for ln in err.splitlines() if " step 5/46 loss=" in ln]) == 1  # rank 0 only, once
     (line,) = [ln for ln in err.splitlines() if ln.startswith("SIGINT: the workers stopped")]
     m = re.fullmatch(r"SIGINT: the workers stopped; saved (\S+/checkpoint-(\d+)); continue with: python -m "
                      r"raytrain\.run .*", line)

@@ -64,7 +64,7 @@ class ProgressCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, train_dataloader=None, **kwargs):
         if not state.is_world_process_zero:
             return
-        print(describe_run(args, state, model, train_dataloader), file=self.stream, flush=True)
+        self._write(describe_run(args, state, model, train_dataloader))
         self._start = (time.perf_counter(), state.global_step)
         if self.tty:
             self.training_bar = tqdm(total=state.max_steps, initial=state.global_step, dynamic_ncols=True,
@@ -105,7 +105,13 @@ class ProgressCallback(TrainerCallback):
         if self.training_bar is not None:
             self.training_bar.write(line, file=self.stream)
         else:
-            print(line, file=self.stream, flush=True)
+            self._write(line)
+
+    def _write(self, line: str) -> None:
+        # Not print(): in a Ray Train worker, print is patched to go to the logger as well as to the
+        # stream, and Ray shows each line twice.
+        self.stream.write(line + "\n")
+        self.stream.flush()
 
     def _eta(self, state) -> str:
         if self._start is None or state.global_step >= state.max_steps:
