@@ -8,7 +8,9 @@
 While a loop runs, the first signal only sets a flag that StopOnSignal turns into "save and stop"
 at the next step end (the checkpoint is then exactly resumable). Outside a loop (model building,
 the final evaluation) it raises Interrupted at once: there is no step boundary to wait for. A second
-signal exits the process at once. Ray workers have their own SIGTERM handler (_ray_worker.py).
+signal exits the process at once. When the loop runs in Ray workers instead (ray_train_signals),
+the first signal is forwarded to them as SIGTERM: their handler (_ray_worker.py) saves at the next
+step boundary, then the run is aborted so that Ray does not restart them.
 """
 
 from __future__ import annotations

@@ -270,38 +270,46 @@ def _main(ns, session: _Session) -> int:
     args = TrainingArguments.from_yaml(ns.config, ns.overrides)
     resume = _resume_arg(ns.resume, args)
     _status(f"importing torch and {args.model.factory if args.model else 'the model'} ...")
-    from .interrupt import StopOnSignal, graceful_stop, ray_train_signals
-    from .trainer import Trainer, set_seed
+    from .interrupt import graceful_stop
+    from .trainer import set_seed
 
     with graceful_stop() as stop:
         set_seed(args.seed, args.full_determinism)  # before the factory: the initial weights follow the seed
         _status("building the model and the datasets ...")
         job = build_job(args)
-        if ns.search:
-            from .tune import run_search_cli
-            return run_search_cli(args, job, ns.search)
-        session.open_log(args.output_dir)
-        trainer = Trainer(args=args, **job)
-        run = _TrackedRun.open(trainer, resume)
-        trainer.add_callback(StopOnSignal(stop))
-        try:
-            # In Ray workers, a signal makes them save and stop (ray_train_signals); here, StopOnSignal.
-            with ray_train_signals(stop) if args.should_use_distributed else contextlib.nullcontext():
-                out = trainer.train(resume_from_checkpoint=resume)
-        except BaseException:
-            run.end("KILLED" if stop.signum else "FAILED")
-            if stop.signum and args.should_use_distributed:  # the workers saved; Ray reports their stop
-                return _stopped_workers(args, stop)
-            raise
-        if stop.stopped_at is not None:
-            run.end("KILLED")
-            return _stopped(trainer, stop)
-        session.phase = "after training (in the final evaluation and save; the last checkpoint is complete)"
-        try:
-            summary = _finish(trainer, out, ns.report, run)
-        except BaseException:
-            run.end("KILLED" if stop.signum else "FAILED")
-            raise
+        if not ns.search:
+            return _train(ns, session, args, job, resume, stop)
+    from .tune import run_search_cli  # outside graceful_stop: Ray Tune handles Ctrl-C itself
+
+    return run_search_cli(args, job, ns.search)
+
+
+def _train(ns, session: _Session, args: TrainingArguments, job: dict, resume, stop) -> int:
+    from .interrupt import StopOnSignal, ray_train_signals
+    from .trainer import Trainer
+
+    session.open_log(args.output_dir)
+    trainer = Trainer(args=args, **job)
+    run = _TrackedRun.open(trainer, resume)
+    trainer.add_callback(StopOnSignal(stop))
+    try:
+        # In Ray workers, a signal makes them save and stop (ray_train_signals); here, StopOnSignal.
+        with ray_train_signals(stop) if args.should_use_distributed else contextlib.nullcontext():
+            out = trainer.train(resume_from_checkpoint=resume)
+    except BaseException:
+        run.end("KILLED" if stop.signum else "FAILED")
+        if stop.signum and args.should_use_distributed:  # the workers saved; Ray reports their stop
+            return _stopped_workers(args, stop)
+        raise
+    if stop.stopped_at is not None:
+        run.end("KILLED")
+        return _stopped(trainer, stop)
+    session.phase = "after training (in the final evaluation and save; the last checkpoint is complete)"
+    try:
+        summary = _finish(trainer, out, ns.report, run)
+    except BaseException:
+        run.end("KILLED" if stop.signum else "FAILED")
+        raise
     print("summary: " + json.dumps(summary, default=str))
     run.print_ui_line()
     return 0
