@@ -1,21 +1,33 @@
 """The CLI: python -m raytrain.run --config X.yaml [--set key=value ...] [--resume auto|never|PATH].
 
-Bad configuration exits with code 2 and one line on stderr, before any training starts.
+Reproducible: the seed is set before the model factory runs. Errors the user can fix print one line
+(exit 2 for configuration, 1 for the rest); the traceback goes to OUTPUT_DIR/raytrain.log, and to
+stderr with --debug. Ctrl-C or SIGTERM saves a checkpoint at the next step boundary and exits
+130 / 143 with the command that continues; a second Ctrl-C exits at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import json
 import logging
 import os
+import shlex
+import signal
 import sys
 from typing import Any, Callable
 
 from .args import ConfigError, TrainingArguments, cli_help
 
 EXIT_CONFIG = 2
+EXIT_ERROR = 1
+LOG_FILE = "raytrain.log"
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+logger = logging.getLogger(__name__)
+_ARGV: list[str] | None = None  # main()'s argv when called from Python (else sys.argv)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -37,6 +49,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="auto: continue the newest valid checkpoint in output_dir if any (default); "
                         "never: start fresh (fails if output_dir has checkpoints); or a checkpoint path")
     p.add_argument("--search", default=None, help="YAML search space: run a hyperparameter search instead")
+    p.add_argument("--debug", action="store_true", help="print the full traceback of an error")
+    p.add_argument("--no-report", dest="report", action="store_false",
+                   help="do not write the PNG plots (OUTPUT_DIR/plots) at the end of the run")
     return p
 
 
@@ -76,6 +91,9 @@ def build_job(args: TrainingArguments) -> dict[str, Any]:
     else:
         raise ConfigError(f"data.factory: {args.data.factory} must return (train, eval) or "
                           "{'train': ..., 'eval': ...}")
+    for split in ("train", "eval"):  # a data.collator may take any item; the default one takes dicts
+        if not args.data.collator:
+            _check_items(job[f"{split}_dataset"], f"data.factory: {args.data.factory} returned a {split} dataset")
     if args.data.collator:
         job["data_collator"] = import_string(args.data.collator, "data.collator")
     if args.data.compute_metrics:
@@ -83,46 +101,326 @@ def build_job(args: TrainingArguments) -> dict[str, Any]:
     return job
 
 
-def _resume_arg(value: str, output_dir: str):
+def _check_items(dataset, what: str) -> None:
+    """A map-style dataset must yield dicts (one tensor or array per column); said before training."""
+    from collections.abc import Mapping
+
+    if dataset is None or isinstance(dataset, Mapping) or not hasattr(dataset, "__getitem__") \
+            or not hasattr(dataset, "__len__") or type(dataset).__module__.startswith(("pyarrow", "ray.")):
+        return
+    try:
+        first = dataset[0] if len(dataset) else None
+    except Exception:
+        return  # not indexable by position: data.py says what it accepts
+    if first is not None and not isinstance(first, Mapping):
+        raise ConfigError(f"{what} whose items are {type(first).__name__}; each item must be a dict of "
+                          "tensors, one per model input and 'labels' (e.g. {'pixels': ..., 'labels': ...})")
+
+
+def _resume_arg(value: str, args: TrainingArguments):
+    """--resume as the Trainer's resume_from_checkpoint; mistakes named with CLI flags."""
+    from .checkpoint import MANIFEST, sorted_checkpoints
+
     if value == "auto":
         return "auto"
     if value == "never":
-        return "never"  # the loop refuses an output_dir holding checkpoints
+        existing = sorted_checkpoints(args.output_dir)
+        if existing and not args.overwrite_output_dir:
+            raise ConfigError(f"output_dir {args.output_dir} already holds {os.path.basename(existing[-1][1])}; "
+                              "use --resume auto to continue it, or --set overwrite_output_dir=true to start "
+                              "over (its checkpoints are then deleted)")
+        return None
     if not os.path.isdir(value):
         raise ConfigError(f"--resume: {value!r} is not a checkpoint directory (or use auto / never)")
+    inside = sorted_checkpoints(value)
+    if not os.path.exists(os.path.join(value, MANIFEST)) and inside:
+        raise ConfigError(f"--resume: {value!r} is an output directory, not a checkpoint; pass one of its "
+                          f"checkpoints (--resume {inside[-1][1]}) or --resume auto with --set output_dir={value}")
     return value
 
 
+# Advice written for Python callers, said with CLI flags here.
+_CLI_WORDS = [
+    ("resume_from_checkpoint=True", "--resume auto"),
+    ("resume_from_checkpoint='auto'", "--resume auto"),
+    ("pass its path", "pass it with --resume PATH"),
+    ("set overwrite_output_dir to", "--set overwrite_output_dir=true to"),
+    ("set ignore_data_skip to", "--set ignore_data_skip=true to"),
+    ("the model returned no loss", "the model (model.factory) returned no loss"),
+    (", or pass compute_loss_func(outputs, labels, num_items_in_batch)", ""),
+]
+
+
+def _cli_words(message: str) -> str:
+    for python, cli in _CLI_WORDS:
+        message = message.replace(python, cli)
+    return message
+
+
+class _Session:
+    """Where errors go: one line on stderr, the traceback in OUTPUT_DIR/raytrain.log (and with --debug)."""
+
+    def __init__(self, ns):
+        self.ns = ns
+        self.log_path: str | None = None
+        self.handler: logging.Handler | None = None
+        self.phase = "before training started (while building the model and the data)"
+
+    def open_log(self, output_dir: str) -> None:
+        os.makedirs(output_dir, exist_ok=True)
+        self.log_path = os.path.join(output_dir, LOG_FILE)
+        self.handler = logging.FileHandler(self.log_path)
+        self.handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        with open(self.log_path, "a") as f:  # the command heads each invocation's part of the log
+            f.write(f"\n=== {continue_command(keep_resume=True)}\n")
+        logging.getLogger().addHandler(self.handler)
+
+    def close(self) -> None:
+        if self.handler is not None:
+            logging.getLogger().removeHandler(self.handler)
+            self.handler.close()
+
+    def fail(self, error: BaseException) -> int:
+        from .interrupt import Interrupted
+
+        if self.log_path:  # the traceback goes to the file only
+            import traceback
+
+            with open(self.log_path, "a") as f:
+                f.write("".join(traceback.format_exception(error)))
+        if isinstance(error, (Interrupted, KeyboardInterrupt)):
+            signum = getattr(error, "signum", signal.SIGINT)
+            print(f"{signal.Signals(signum).name}: interrupted {self.phase}; nothing new was saved; "
+                  f"continue with: {continue_command()}", file=sys.stderr)
+            return 128 + signum
+        fixable = _fixable(error)
+        if fixable is None or self.ns.debug:
+            import traceback
+
+            traceback.print_exception(error)
+        if fixable is None:
+            return EXIT_ERROR
+        where = f" (traceback in {self.log_path}; --debug prints it)" if self.log_path and not self.ns.debug else ""
+        print(f"error: {_cli_words(fixable)}{where}", file=sys.stderr)
+        return EXIT_CONFIG if isinstance(error, (ConfigError, FileExistsError)) else EXIT_ERROR
+
+
+def _fixable(error: BaseException) -> str | None:
+    """The one-line message of an error the user can fix, or None for a crash (show the traceback).
+    Fixable: raytrain's own error types, and the standard ones raytrain raises with a message."""
+    from .checkpoint import CheckpointError
+
+    if isinstance(error, (ConfigError, CheckpointError, FileExistsError)) or \
+            type(error).__name__ in ("NonFiniteError", "Preempted"):
+        return str(error)
+    if isinstance(error, (ValueError, KeyError, TypeError, FileNotFoundError)) and _raised_by_raytrain(error):
+        return error.args[0] if isinstance(error, KeyError) and error.args else str(error)
+    return None
+
+
+def _raised_by_raytrain(error: BaseException) -> bool:
+    tb = error.__traceback__
+    last = None
+    while tb is not None:
+        last, tb = tb, tb.tb_next
+    return last is not None and os.path.abspath(last.tb_frame.f_code.co_filename).startswith(_PACKAGE_DIR)
+
+
+def continue_command(keep_resume: bool = False) -> str:
+    """This invocation again, with --resume auto (the default): what continues an interrupted run."""
+    argv, out, skip = _ARGV if _ARGV is not None else sys.argv[1:], [], False
+    if keep_resume:
+        return shlex.join(["python", "-m", "raytrain.run", *argv])
+    for a in argv:
+        if skip:
+            skip = False
+            continue
+        if a == "--resume":
+            skip = True
+            continue
+        if a.startswith("--resume="):
+            continue
+        out.append(a)
+    return shlex.join(["python", "-m", "raytrain.run", *out])
+
+
+def _status(text: str) -> None:
+    """A transient line on a terminal (cleared by the next output); nothing in logs."""
+    if sys.stderr.isatty():
+        sys.stderr.write(f"\r\033[K{text}\r")
+        sys.stderr.flush()
+
+
 def main(argv: list[str] | None = None) -> int:
+    global _ARGV
     ns = _parser().parse_args(argv)
+    _ARGV = list(argv) if argv is not None else None
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
+    session = _Session(ns)
     try:
-        args = TrainingArguments.from_yaml(ns.config, ns.overrides)
-        resume = _resume_arg(ns.resume, args.output_dir)
+        return _main(ns, session)
+    except (Exception, KeyboardInterrupt) as e:
+        return session.fail(e)
+    finally:
+        session.close()
+
+
+def _main(ns, session: _Session) -> int:
+    args = TrainingArguments.from_yaml(ns.config, ns.overrides)
+    resume = _resume_arg(ns.resume, args)
+    _status(f"importing torch and {args.model.factory if args.model else 'the model'} ...")
+    from .interrupt import graceful_stop
+    from .trainer import set_seed
+
+    with graceful_stop() as stop:
+        set_seed(args.seed, args.full_determinism)  # before the factory: the initial weights follow the seed
+        _status("building the model and the datasets ...")
         job = build_job(args)
-        if ns.search:
-            from .tune import run_search_cli
-            return run_search_cli(args, job, ns.search)
-        from .trainer import Trainer
-        trainer = Trainer(args=args, **job)
-    except (ConfigError, FileNotFoundError, FileExistsError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_CONFIG
+        if not ns.search:
+            return _train(ns, session, args, job, resume, stop)
+    from .tune import run_search_cli  # outside graceful_stop: Ray Tune handles Ctrl-C itself
+
+    return run_search_cli(args, job, ns.search)
+
+
+def _train(ns, session: _Session, args: TrainingArguments, job: dict, resume, stop) -> int:
+    from .interrupt import StopOnSignal, ray_train_signals
+    from .trainer import Trainer
+
+    session.open_log(args.output_dir)
+    trainer = Trainer(args=args, **job)
+    run = _TrackedRun.open(trainer, resume)
+    trainer.add_callback(StopOnSignal(stop))
     try:
-        out = trainer.train(resume_from_checkpoint=resume)
-    except (ConfigError, FileExistsError) as e:  # raised before the first step
-        print(f"error: {e}", file=sys.stderr)
-        return EXIT_CONFIG
+        # In Ray workers, a signal makes them save and stop (ray_train_signals); here, StopOnSignal.
+        with ray_train_signals(stop) if args.should_use_distributed else contextlib.nullcontext():
+            out = trainer.train(resume_from_checkpoint=resume)
+    except BaseException:
+        run.end("KILLED" if stop.signum else "FAILED")
+        if stop.signum and args.should_use_distributed:  # the workers saved; Ray reports their stop
+            return _stopped_workers(args, stop)
+        raise
+    if stop.stopped_at is not None:
+        run.end("KILLED")
+        return _stopped(trainer, stop)
+    session.phase = "after training (in the final evaluation and save; the last checkpoint is complete)"
+    try:
+        summary = _finish(trainer, out, ns.report, run)
+    except BaseException:
+        run.end("KILLED" if stop.signum else "FAILED")
+        raise
+    print("summary: " + json.dumps(summary, default=str))
+    run.print_ui_line()
+    return 0
+
+
+def _finish(trainer, out, report: bool, run: _TrackedRun) -> dict:
+    """After training: the final evaluation, model, trainer_state.json, plots and MLflow artifacts."""
+    args = trainer.args
     summary = {"global_step": out.global_step, "train_loss": out.training_loss,
                "train_runtime": out.metrics.get("train_runtime")}
     if trainer.eval_dataset is not None:
         summary.update(trainer.evaluate())
     final = trainer.save_model(os.path.join(args.output_dir, "final"))
+    trainer.state.save_to_json(os.path.join(args.output_dir, "trainer_state.json"))
     summary["model"] = os.path.join(final, "model.safetensors")
     if trainer.state.best_model_checkpoint:
         summary["best_model_checkpoint"] = trainer.state.best_model_checkpoint
-    print("summary: " + json.dumps(summary, default=str))
-    return 0
+    if report:
+        from .report import write_report
+
+        try:
+            write_report(args.output_dir)
+            summary["plots"] = os.path.join(args.output_dir, "plots")
+        except Exception as e:  # noqa: BLE001 - plots are a convenience: never fail a finished run
+            logger.warning("plots not written (%s: %s); python -m raytrain.report %s retries",
+                           type(e).__name__, e, args.output_dir)
+    run.finish(final, trainer.state.best_model_checkpoint)
+    return summary
+
+
+def _stopped(trainer, stop) -> int:
+    from .checkpoint import checkpoint_dir
+
+    step, args = stop.stopped_at, trainer.args
+    if args.save_strategy == "no":
+        saved = "nothing saved (save_strategy is 'no')"
+    else:
+        saved = f"saved {checkpoint_dir(args.output_dir, step)}"
+    print(f"{stop.name}: stopped at step {step}/{trainer.state.max_steps}; {saved}; "
+          f"continue with: {continue_command()}", file=sys.stderr, flush=True)
+    return stop.exit_code
+
+
+def _stopped_workers(args, stop) -> int:
+    from .checkpoint import get_last_checkpoint
+
+    path = get_last_checkpoint(args.output_dir)
+    saved = f"saved {path}" if path and args.save_strategy != "no" else "nothing saved"
+    print(f"{stop.name}: the workers stopped; {saved}; continue with: {continue_command()}", file=sys.stderr,
+          flush=True)
+    return stop.exit_code
+
+
+class _TrackedRun:
+    """The CLI's MLflow run (report_to: mlflow): opened before training (the run of the checkpoint
+    being resumed, else a new one), it spans the final evaluation and ends after the artifacts."""
+
+    def __init__(self, callback=None, args=None):
+        self.callback, self.args = callback, args
+
+    @classmethod
+    def open(cls, trainer, resume) -> _TrackedRun:
+        from .callbacks.mlflow import MLflowCallback
+
+        cb = next((c for c in trainer.callback_handler.callbacks if isinstance(c, MLflowCallback)), None)
+        if cb is None:
+            return cls()
+        from . import tracking
+
+        args = trainer.args
+        run_id = tracking.run_id_in_checkpoint(_resume_candidate(args.output_dir, resume))
+        if run_id:
+            tracking.reopen_run(cb.client, run_id, args)
+        else:
+            run_id = tracking.create_run(cb.client, args)
+        cb.run_id, cb.owns_run = run_id, False
+        logger.info("MLflow run %s in %s", run_id, cb.tracking_uri)
+        return cls(cb, args)
+
+    def end(self, status: str) -> None:
+        if self.callback is not None:
+            self.callback.client.set_terminated(self.callback.run_id, status)
+
+    def finish(self, model_dir: str, best_checkpoint: str | None) -> None:
+        if self.callback is None:
+            return
+        from . import tracking
+
+        tracking.log_final(self.callback.client, self.callback.run_id, self.args, model_dir, best_checkpoint)
+        self.end("FINISHED")
+
+    def print_ui_line(self) -> None:
+        if self.callback is not None:
+            from . import tracking
+
+            print(f"mlflow: run {self.callback.run_id}; see it with: {tracking.ui_command(self.callback.tracking_uri)}")
+
+
+def _resume_candidate(output_dir: str, resume) -> str | None:
+    """The checkpoint resume will most likely use (the newest with a readable trainer_state.json), read
+    without verifying checksums: only to find its MLflow run id."""
+    from .checkpoint import sorted_checkpoints
+
+    if resume is None:
+        return None
+    if resume != "auto":
+        return resume
+    for _, path in reversed(sorted_checkpoints(output_dir)):
+        if os.path.isfile(os.path.join(path, "trainer_state.json")):
+            return path
+    return None
 
 
 if __name__ == "__main__":

@@ -108,10 +108,11 @@ def _make_trainable(spec: dict[str, Any]):
     def trainable(config: dict[str, Any]) -> None:
         from ray import tune
 
-        from .trainer import Trainer
+        from .trainer import Trainer, set_seed
 
         trial_dir = tempfile.mkdtemp(prefix="raytrain-trial-")
         args = _apply_params(spec["args"], config, trial_dir)
+        set_seed(args.seed, args.full_determinism)  # a trial's initial weights follow the seed too
         trainer = Trainer(model=_call_model_init(spec["model_init"], config), args=args,
                           callbacks=copy.deepcopy(spec["callbacks"]), **spec["trainer_kwargs"])
         trainer._trial_name = tune.get_context().get_trial_name()

@@ -43,6 +43,7 @@ def launched(tmp_path_factory):
     out = str(base / "digits")
     procs = {
         "digits": _popen(*DIGITS, "--set", f"output_dir={out}"),
+        "twin": _popen(*DIGITS, "--set", f"output_dir={base / 'twin'}", "--no-report"),
         "help": _popen("--help"),
         "unknown_field": _popen(*DIGITS, "--set", f"output_dir={base / 'unknown'}", "--set", "learnin_rate=0.1"),
         "missing_config": _popen("--config", str(base / "nope.yaml")),
@@ -54,6 +55,13 @@ def launched(tmp_path_factory):
         if p.poll() is None:
             p.kill()
             p.communicate()
+
+
+def _field_names(cls) -> list[str]:
+    """Field names of TrainingArguments (a dataclass) or of a section (a pydantic model)."""
+    if dataclasses.is_dataclass(cls):
+        return [f.name for f in dataclasses.fields(cls)]
+    return list(cls.model_fields)
 
 
 def summary_of(proc: subprocess.CompletedProcess) -> dict:
@@ -107,9 +115,9 @@ def test_help_lists_every_field_and_exits_0(launched):
     assert proc.returncode == 0 and proc.stderr == ""
     out = proc.stdout
     assert out.startswith("usage: python -m raytrain.run")
-    for name in (f.name for f in dataclasses.fields(TrainingArguments)):
+    for name in _field_names(TrainingArguments):
         if name in _SECTIONS:
-            for leaf in _SECTIONS[name].model_fields:
+            for leaf in _field_names(_SECTIONS[name]):
                 assert f"--set {name}.{leaf}=VALUE" in out, f"{name}.{leaf}"
         else:
             assert f"--set {name}=VALUE" in out, name
@@ -217,7 +225,8 @@ def test_resume_auto_on_a_finished_run_does_no_more_steps(digits_run, reruns):
     assert summary["global_step"] == STEPS
     assert summary["eval_accuracy"] == summary_of(first)["eval_accuracy"]
     assert f"resumed from {out}/checkpoint-{STEPS} at step {STEPS}" in proc.stderr
-    assert not [ln for ln in proc.stderr.splitlines() if ln.startswith("loss=")]  # no training step logged
+    assert " loss=" not in proc.stderr  # no training step logged
+    assert f"| resuming at step {STEPS}" in proc.stderr
     assert _checkpoint_mtimes(out) == before  # no checkpoint written or rotated
 
 
@@ -226,5 +235,116 @@ def test_resume_never_on_a_dir_with_checkpoints_exits_2(digits_run, reruns):
     proc = reruns[2]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
-    assert len(lines) == 1 and f"output_dir {out} already holds checkpoint-{STEPS}" in lines[0]
+    assert lines == [f"error: output_dir {out} already holds checkpoint-{STEPS}; use --resume auto to continue it, "
+                     "or --set overwrite_output_dir=true to start over (its checkpoints are then deleted)"]
     assert "summary:" not in proc.stdout
+
+
+# ---------------------------------------------------------------- reproducible, visible
+
+
+def _weights(path: str) -> dict:
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+def _untimed(log_history: list[dict]) -> list[dict]:
+    return [{k: v for k, v in e.items() if not k.endswith(("_runtime", "_per_second"))} for e in log_history]
+
+
+def test_two_identical_runs_give_identical_logs_and_weights(launched, digits_run):
+    base, procs = launched
+    out, first = digits_run
+    twin = _wait(procs["twin"])
+    assert twin.returncode == 0, twin.stderr[-3000:]
+    states = [json.load(open(os.path.join(d, "trainer_state.json"))) for d in (out, str(base / "twin"))]
+    assert _untimed(states[0]["log_history"]) == _untimed(states[1]["log_history"])
+    assert len([e for e in states[0]["log_history"] if "loss" in e]) == STEPS // 50
+    a, b = _weights(os.path.join(out, "final")), _weights(str(base / "twin" / "final"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # the initial weights too: the first logged loss depends on them (it differed before seeding)
+    assert summary_of(first)["train_loss"] == summary_of(twin)["train_loss"]
+
+
+def test_non_tty_progress_is_one_line_per_logging_step(digits_run):
+    _, proc = digits_run
+    lines = proc.stderr.splitlines()
+    (intro,) = [ln for ln in lines if ln.startswith("training ")]
+    assert "DigitsMLP (26.6k parameters)" in intro and "1438 training samples" in intro
+    assert f"{STEPS} steps (4 epochs)" in intro and "1 process" in intro and intro.endswith("from step 0")
+    train_lines = [ln for ln in lines if " loss=" in ln]
+    assert [ln.split()[1] for ln in train_lines] == [f"{s}/{STEPS}" for s in (50, 100, 150)]
+    assert all("learning_rate=" in ln and "grad_norm=" in ln and " eta=" in ln for ln in train_lines)
+    assert len([ln for ln in lines if " eval_accuracy=" in ln]) == 4 + 1  # every epoch, and the final evaluation
+    assert "\r" not in proc.stderr  # no bar redrawn into a log
+
+
+def test_run_writes_report_plots(digits_run):
+    out, proc = digits_run
+    assert summary_of(proc)["plots"] == os.path.join(out, "plots")
+    names = sorted(os.listdir(os.path.join(out, "plots")))
+    assert names == ["eval_accuracy.png", "eval_loss.png", "grad_norm.png", "learning_rate.png", "loss.png",
+                     "overview.png"]
+
+
+# ---------------------------------------------------------------- runtime errors: one line, traceback in the log
+
+
+def _one_error(err: str) -> str:
+    assert "Traceback" not in err, err
+    lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+    assert len(lines) == 1, err
+    return lines[0]
+
+
+def test_model_without_loss_is_one_line_with_the_traceback_in_the_log(tmp_path, capsys):
+    out = tmp_path / "o"
+    code, _, err = run_main(capsys, *DIGITS, "--set", f"output_dir={out}",
+                            "--set", "model.factory=tests.cli_jobs:model_without_loss")
+    assert code == 1
+    log = str(out / "raytrain.log")
+    assert _one_error(err) == (
+        "error: the model (model.factory) returned no loss (a 'loss' key or attribute, or a scalar first element "
+        f"of a tuple); return one when labels are given (traceback in {log}; --debug prints it)")
+    text = open(log).read()
+    assert "Traceback (most recent call last)" in text and "ValueError: the model returned no loss" in text
+    assert "model.factory=tests.cli_jobs:model_without_loss" in text  # the command heads the log
+
+
+def test_debug_prints_the_traceback(tmp_path, capsys):
+    code, _, err = run_main(capsys, *DIGITS, "--set", f"output_dir={tmp_path}", "--debug",
+                            "--set", "model.factory=tests.cli_jobs:model_without_loss")
+    assert code == 1 and "Traceback (most recent call last)" in err and "in loss_of" in err
+
+
+def test_dataset_of_ints_exits_2_naming_the_factory(tmp_path, capsys):
+    code, _, err = run_main(capsys, *DIGITS, "--set", f"output_dir={tmp_path}",
+                            "--set", "data.factory=tests.cli_jobs:int_datasets")
+    assert code == 2
+    assert _one_error(err) == (
+        "error: data.factory: tests.cli_jobs:int_datasets returned a train dataset whose items are int; each item "
+        "must be a dict of tensors, one per model input and 'labels' (e.g. {'pixels': ..., 'labels': ...})")
+
+
+def test_resume_from_an_output_dir_names_its_checkpoint(digits_run, capsys):
+    out, _ = digits_run
+    code, _, err = run_main(capsys, *DIGITS, "--set", f"output_dir={out}-other", "--resume", out)
+    assert code == 2
+    assert _one_error(err) == (
+        f"error: --resume: {out!r} is an output directory, not a checkpoint; pass one of its checkpoints "
+        f"(--resume {out}/checkpoint-{STEPS}) or --resume auto with --set output_dir={out}")
+
+
+def test_truncated_checkpoint_is_one_line_naming_the_file(digits_run, tmp_path, capsys):
+    import shutil
+
+    out, _ = digits_run
+    bad = tmp_path / "checkpoint-45"
+    shutil.copytree(os.path.join(out, f"checkpoint-{STEPS}"), bad)
+    size = os.path.getsize(bad / "model.safetensors")
+    with open(bad / "model.safetensors", "r+b") as f:
+        f.truncate(100)
+    code, _, err = run_main(capsys, *DIGITS, "--set", f"output_dir={tmp_path / 'o'}", "--resume", str(bad))
+    assert code == 1
+    assert _one_error(err).startswith(
+        f"error: {bad}/model.safetensors: size 100 bytes, the manifest says {size} (truncated?) (traceback in ")
+    assert "CheckpointError" in open(tmp_path / "o" / "raytrain.log").read()

@@ -1,79 +1,85 @@
-"""MLflowCallback (report_to: mlflow): parameters, every log as metrics, the final model as an artifact.
+"""MLflowCallback (report_to: mlflow): params, every log as metrics at its step, checkpoint tags, and
+(when the callback owns the run) the final model as an artifact.
 
-The tracking store comes from MLFLOW_TRACKING_URI; unset, a local SQLite store `mlflow.db` in the
-working directory is used. A run id in MLFLOW_RUN_ID (set by a driver for its workers) is resumed
-rather than a new run started; only the world-process-zero rank writes.
+Which run it writes to, first match wins: `run_id` set by a driver (run.py opens the run and ends it
+after its final evaluation; the attribute travels to Ray workers with the pickled Trainer), the run
+id restored from the checkpoint being resumed (the same MLflow run goes on), MLFLOW_RUN_ID, the
+caller's active `mlflow.start_run()`, else a new run. Only the world-process-zero rank writes.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import tempfile
 
-from .base import TrainerCallback
+from .. import tracking
+from .base import ExportableState, TrainerCallback
 
-_MAX_PARAM_LEN = 6000
-
-
-def _flatten(d: dict, prefix: str = "") -> dict[str, str]:
-    out = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and v:
-            out.update(_flatten(v, key + "."))
-        else:
-            out[key] = str(v)[:_MAX_PARAM_LEN]
-    return out
+logger = logging.getLogger(__name__)
 
 
-class MLflowCallback(TrainerCallback):
-    def __init__(self):
-        import mlflow
+class MLflowCallback(TrainerCallback, ExportableState):
+    def __init__(self, tracking_uri: str | None = None):
+        self.tracking_uri = tracking_uri or tracking.tracking_uri()
+        self.run_id: str | None = None
+        self.owns_run: bool | None = None  # None: not decided yet; a driver that opened the run sets False
+        self._client = None
 
-        self._mlflow = mlflow
-        self._run = None
-        self._started_here = False
+    def __getstate__(self):  # the client holds a DB connection: rebuilt in each process
+        return {**self.__dict__, "_client": None}
+
+    @property
+    def client(self):
+        if self._client is None:
+            self._client = tracking.client(self.tracking_uri)
+        return self._client
 
     def setup(self, args, state) -> None:
-        mlflow = self._mlflow
-        if not os.environ.get("MLFLOW_TRACKING_URI"):
-            mlflow.set_tracking_uri("sqlite:///" + os.path.abspath("mlflow.db"))
-        run_id = os.environ.get("MLFLOW_RUN_ID")
-        if mlflow.active_run() is None:
-            if run_id:
-                self._run = mlflow.start_run(run_id=run_id)
+        if self.run_id is None:
+            import mlflow
+
+            active = mlflow.active_run()
+            given = os.environ.get("MLFLOW_RUN_ID") or (active.info.run_id if active else None)
+            if given:
+                self.run_id, self.owns_run = given, False
             else:
-                mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", "raytrain"))
-                self._run = mlflow.start_run(run_name=args.run_name or state.trial_name)
-            self._started_here = True
-        else:
-            self._run = mlflow.active_run()
-        params = _flatten(args.to_dict())
-        if state.trial_params:
-            params.update(_flatten(state.trial_params, "trial."))
-        items = list(params.items())
-        for i in range(0, len(items), 100):  # MLflow caps a batch at 100 params
-            mlflow.log_params(dict(items[i:i + 100]))
+                self.run_id = tracking.create_run(self.client, args, args.run_name or state.trial_name,
+                                                  state.trial_params)
+                self.owns_run = True
+        elif self.owns_run is None:  # restored from a checkpoint: this run continues its MLflow run
+            tracking.reopen_run(self.client, self.run_id, args, state.trial_params)
+            self.owns_run = True
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if state.is_world_process_zero and self._run is None:
+        if state.is_world_process_zero:
             self.setup(args, state)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if not state.is_world_process_zero or not logs:
             return
-        if self._run is None:
+        if self.run_id is None or self.owns_run is None:
             self.setup(args, state)
-        metrics = {k: float(v) for k, v in logs.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
-        self._mlflow.log_metrics(metrics, step=state.global_step)
+        tracking.log_metrics(self.client, self.run_id, logs, state.global_step)
 
     def on_save(self, args, state, control, **kwargs):
-        if state.is_world_process_zero and self._run is not None:
-            self._mlflow.set_tag("last_checkpoint_step", state.global_step)
+        if state.is_world_process_zero and self.run_id is not None:
+            tags = {"last_checkpoint_step": state.global_step}
             if state.best_model_checkpoint:
-                self._mlflow.set_tag("best_model_checkpoint", state.best_model_checkpoint)
+                tags["best_model_checkpoint"] = state.best_model_checkpoint
+            tracking.set_tags(self.client, self.run_id, tags)
 
-    def on_train_end(self, args, state, control, **kwargs):
-        if state.is_world_process_zero and self._run is not None and self._started_here:
-            self._mlflow.end_run()
-            self._run = None
-            self._started_here = False
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        if not (state.is_world_process_zero and self.run_id is not None and self.owns_run):
+            return
+        if model is not None and args.scaling.num_workers <= 1:  # in-process: the weights are whole here
+            from safetensors.torch import save_model  # drops tied duplicates, as checkpoints do
+
+            with tempfile.TemporaryDirectory() as tmp:
+                save_model(model, os.path.join(tmp, "model.safetensors"))
+                self.client.log_artifacts(self.run_id, tmp, "model")
+        self.client.set_terminated(self.run_id, "FINISHED")
+        # Later logs (an evaluate() after train()) still land in this run: owns_run stays decided.
+
+    def state(self) -> dict:
+        return {"args": {}, "attributes": {"run_id": self.run_id}}

@@ -1,0 +1,197 @@
+"""Ctrl-C and SIGTERM for an in-process run: save at the next step boundary, then stop.
+
+    with graceful_stop() as stop:                  # installs the SIGINT/SIGTERM handlers
+        trainer.add_callback(StopOnSignal(stop))
+        trainer.train(...)
+    if stop.signum: ...                            # exit 128 + signum (130 for Ctrl-C, 143 for SIGTERM)
+
+While a loop runs, the first signal only sets a flag that StopOnSignal turns into "save and stop"
+at the next step end (the checkpoint is then exactly resumable). Outside a loop (model building,
+the final evaluation) it raises Interrupted at once: there is no step boundary to wait for. A second
+signal exits the process at once. When the loop runs in Ray workers instead (ray_train_signals),
+the first signal is forwarded to them as SIGTERM: their handler (_ray_worker.py) saves at the next
+step boundary, then the run is aborted so that Ray does not restart them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import sys
+import threading
+import time
+
+from .callbacks.base import TrainerCallback
+
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(Exception):
+    """A signal arrived where no step boundary could be waited for."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class StopRequest:
+    """What the handler and the callback share: the first signal received and whether a loop runs.
+    `forward`, set while Ray workers train, is called (in a thread) instead: the workers stop."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self.training = False
+        self.stopped_at: int | None = None  # the step the loop stopped after, once it has
+        self.forward = None
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + (self.signum or 0)
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name if self.signum else ""
+
+
+@contextlib.contextmanager
+def graceful_stop():
+    """SIGINT/SIGTERM handlers for the duration of the block (main thread only; elsewhere a no-op)."""
+    stop = StopRequest()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def handler(signum, frame):
+        if stop.signum is not None:  # the second signal: no more waiting
+            sys.stderr.write(f"\n{signal.Signals(signum).name} again: exiting now without saving\n")
+            sys.stderr.flush()
+            os._exit(128 + signum)
+        stop.signum = signum
+        if stop.forward is not None:
+            threading.Thread(target=stop.forward, daemon=True, name="raytrain-stop-workers").start()
+        elif not stop.training:
+            raise Interrupted(signum)
+        sys.stderr.write(f"\n{stop.name}: saving a checkpoint at the end of this step, then stopping "
+                         "(press Ctrl-C again to exit at once)\n")
+        sys.stderr.flush()
+
+    previous = {s: signal.getsignal(s) for s in _SIGNALS}
+    for s in _SIGNALS:
+        signal.signal(s, handler)
+    try:
+        yield stop
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+class StopOnSignal(TrainerCallback):
+    """Turns a StopRequest into "save now and stop" at the next step end (save_strategy permitting)."""
+
+    def __init__(self, stop: StopRequest):
+        self.stop = stop
+        self._epoch_save = False
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.stop.training = True
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.stop.signum is not None and self.stop.stopped_at is None:
+            self.stop.stopped_at = state.global_step
+            control.should_training_stop = True
+            # At an epoch's last step with epoch saves, the epoch-end evaluation and save run as usual
+            # (the checkpoint then records the finished epoch, as an uninterrupted run's does).
+            self._epoch_save = args.save_strategy == "epoch" and float(state.epoch or 0).is_integer()
+            if not self._epoch_save:
+                control.should_save = args.save_strategy != "no"
+        return control
+
+    def on_epoch_end(self, args, state, control, **kwargs):
+        if self.stop.stopped_at is not None and not self._epoch_save:
+            control.should_evaluate = control.should_save = False  # on the way out; the save is done
+        return control
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.stop.training = False
+
+
+@contextlib.contextmanager
+def ray_train_signals(stop: StopRequest):
+    """While this process drives a Ray Train run, a signal makes the workers save and stop, then ends
+    the run. Ray's TorchTrainer.fit() installs its own SIGINT handler, which aborts the run at once
+    and saves nothing; Ray has no hook for this, so its registration is replaced for the duration."""
+    from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+    original = DataParallelTrainer._register_sigint_handler
+
+    def register(trainer, controller):  # keeps graceful_stop's handler in place
+        stop.forward = lambda: _stop_workers_then_abort(controller)
+
+    DataParallelTrainer._register_sigint_handler = register
+    try:
+        yield stop
+    finally:
+        DataParallelTrainer._register_sigint_handler = original
+        stop.forward = None
+
+
+def _stop_workers_then_abort(controller, grace_s: float = 300.0) -> None:
+    """SIGTERM the workers (they save at the next step boundary and stop); once they are gone, abort
+    the controller so that FailureConfig(max_failures) does not start them again."""
+    import ray
+
+    try:
+        pids = stop_ray_workers()
+    except Exception as e:  # noqa: BLE001 - e.g. no dashboard for the state API: say so, Ctrl-C still works
+        sys.stderr.write(f"could not reach the Ray Train workers ({type(e).__name__}: {e}); "
+                         "press Ctrl-C again to exit without saving\n")
+        return
+    sys.stderr.write(f"sent SIGTERM to {len(pids)} Ray Train worker(s): each saves and stops\n")
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and set(pids) & set(_alive_worker_pids()):
+        time.sleep(0.5)
+    try:
+        ray.get(controller.abort.remote(), timeout=60)
+    except Exception:  # noqa: BLE001 - the controller may have ended by itself (max_failures=0)
+        pass
+
+
+def _alive_worker_pids() -> list[int]:
+    return [pid for pids in _workers_by_node().values() for pid in pids]
+
+
+def _workers_by_node() -> dict[str, list[int]]:
+    """{node id: pids} of this job's alive Ray Train workers, from the GCS's actor table. (The public
+    ray.util.state API goes through the dashboard, which a job may run without, and which resolves
+    to another cluster's when several share a machine.)"""
+    import ray
+    from ray._private.state import actors
+
+    job, by_node = ray.get_runtime_context().get_job_id(), {}
+    for actor in actors().values():
+        if actor["ActorClassName"] == "RayTrainWorker" and actor["State"] == "ALIVE" and actor["JobID"] == job \
+                and actor["Pid"]:
+            by_node.setdefault(actor["Address"]["NodeID"], []).append(actor["Pid"])
+    return by_node
+
+
+def stop_ray_workers() -> list[int]:
+    """SIGTERM this job's Ray Train workers, on every node: their handler (_ray_worker.py) saves a
+    checkpoint at the next step boundary and stops them. Returns the pids signalled."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    by_node = _workers_by_node()
+    kill = ray.remote(num_cpus=0)(_sigterm)
+    ray.get([kill.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(pids)
+             for node, pids in by_node.items()], timeout=60)
+    return [pid for pids in by_node.values() for pid in pids]
+
+
+def _sigterm(pids: list[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass  # already gone

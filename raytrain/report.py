@@ -1,0 +1,161 @@
+"""Plots of a run: python -m raytrain.report OUTPUT_DIR [--out DIR]
+
+For a training run (OUTPUT_DIR/trainer_state.json, else its newest checkpoint's): train loss,
+learning rate, grad norm and each eval metric against steps, one PNG each, plus overview.png with
+all of them. For a search (a directory holding Ray Tune trials' result.json): every trial's
+objective against steps in objective.png. PNGs go to OUTPUT_DIR/plots unless --out says otherwise.
+matplotlib's Agg backend: no display needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import sys
+
+_TRAIN_KEYS = ("loss", "learning_rate", "grad_norm")
+_NOT_CURVES = ("_runtime", "_per_second")
+
+
+class ReportError(ValueError):
+    """Nothing to plot at the given path."""
+
+
+def training_curves(log_history: list[dict]) -> dict[str, tuple[list[int], list[float]]]:
+    """{metric: (steps, values)} for the train keys and every eval_* metric in a log history; a metric
+    logged twice at one step keeps its first value, so each curve is a function of the step."""
+    curves: dict[str, tuple[list[int], list[float]]] = {}
+    for entry in log_history:
+        step = entry.get("step")
+        for key, value in entry.items():
+            wanted = key in _TRAIN_KEYS or (key.startswith("eval_") and not key.endswith(_NOT_CURVES))
+            if wanted and isinstance(value, (int, float)) and not isinstance(value, bool) and step is not None:
+                xs, ys = curves.setdefault(key, ([], []))
+                if xs and xs[-1] == int(step):
+                    continue  # a second evaluation at one step (the CLI's final one, of the best model)
+                xs.append(int(step))
+                ys.append(float(value))
+    order = {k: i for i, k in enumerate(_TRAIN_KEYS)}  # train curves first, then eval metrics by name
+    return dict(sorted(curves.items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0])))
+
+
+def _trainer_state(output_dir: str) -> str | None:
+    path = os.path.join(output_dir, "trainer_state.json")
+    if os.path.isfile(path):
+        return path
+    from .checkpoint import sorted_checkpoints  # no torch import unless a checkpoint is needed
+
+    for _, ckpt in reversed(sorted_checkpoints(output_dir)):
+        if os.path.isfile(os.path.join(ckpt, "trainer_state.json")):
+            return os.path.join(ckpt, "trainer_state.json")
+    return None
+
+
+def sweep_curves(directory: str, metric: str = "objective") -> dict[str, tuple[list[int], list[float]]]:
+    """{trial directory name: (steps, objective)} from each Ray Tune trial's result.json (JSON lines)."""
+    curves = {}
+    for path in sorted(glob.glob(os.path.join(directory, "**", "result.json"), recursive=True)):
+        xs, ys = [], []
+        with open(path) as f:
+            for line in f:
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue  # a trial killed mid-write leaves a partial last line
+                if isinstance(row.get(metric), (int, float)):
+                    xs.append(int(row.get("step", row.get("training_iteration", len(xs) + 1))))
+                    ys.append(float(row[metric]))
+        if xs:
+            curves[os.path.basename(os.path.dirname(path))] = (xs, ys)
+    return curves
+
+
+def _figure(curves: dict, title: str, path: str, ylabel: str | None = None) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=80)
+    for label, (xs, ys) in curves.items():
+        ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel(ylabel or title)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    if len(curves) > 1:
+        ax.legend(fontsize=7, ncol=2 if len(curves) > 6 else 1)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _overview(curves: dict, path: str, title: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    cols = min(3, len(curves))
+    rows = math.ceil(len(curves) / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 2.8 * rows), dpi=80, squeeze=False)
+    for ax, (name, (xs, ys)) in zip(axes.flat, curves.items()):
+        ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3)
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel("step", fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(alpha=0.3)
+    for ax in list(axes.flat)[len(curves):]:
+        ax.axis("off")
+    fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def write_report(directory: str, out: str | None = None) -> list[str]:
+    """Write the PNGs for a training run or a search directory; return their paths."""
+    if not os.path.isdir(directory):
+        raise ReportError(f"{directory}: not a directory (give a run's output_dir or a search directory)")
+    out = out or os.path.join(directory, "plots")
+    state = _trainer_state(directory)
+    if state is not None:
+        with open(state) as f:
+            curves = training_curves(json.load(f).get("log_history", []))
+        if not curves:
+            raise ReportError(f"{state}: log_history has no loss, learning_rate, grad_norm or eval metric yet")
+        os.makedirs(out, exist_ok=True)
+        written = [_figure({k: v}, k, os.path.join(out, f"{k}.png")) for k, v in curves.items()]
+        written.append(_overview(curves, os.path.join(out, "overview.png"), os.path.basename(
+            os.path.abspath(directory))))
+        return written
+    trials = sweep_curves(directory)
+    if trials:
+        os.makedirs(out, exist_ok=True)
+        return [_figure(trials, "objective per trial", os.path.join(out, "objective.png"), "objective")]
+    raise ReportError(f"{directory}: no trainer_state.json (in it or a checkpoint-N) and no trial result.json "
+                      "below it; nothing to plot")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m raytrain.report", description=__doc__.split("\n\n")[1])
+    p.add_argument("directory", help="a run's output_dir, or a search's directory (OUTPUT_DIR/tune)")
+    p.add_argument("--out", default=None, help="where to write the PNGs (default: DIRECTORY/plots)")
+    ns = p.parse_args(argv)
+    try:
+        written = write_report(ns.directory, ns.out)
+    except ReportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for path in written:
+        print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
