@@ -163,17 +163,21 @@ def test_tied_weights_round_trip_and_host_copy_keeps_them_tied(tmp_path):
 # ---------------------------------------------------------------- atomic, even under SIGKILL
 
 
-def _subprocess_main(out: str, threads: int) -> None:
+def _subprocess_main(out: str, threads: int, save_async: bool = False) -> None:
     """Entry point of the process the SIGKILL test kills (imported by a fresh interpreter). CPU
     reductions split over another number of threads round differently: use the test's count."""
     torch.set_num_threads(threads)
-    make_trainer(out, max_steps=9, save_steps=3).train()
+    make_trainer(out, max_steps=9, save_steps=3, save_async=save_async).train()
 
 
-def test_sigkill_during_save_leaves_previous_checkpoint_and_resume_is_bit_exact(tmp_path):
+@pytest.mark.parametrize("save_async", [False, True], ids=["sync", "async"])
+def test_sigkill_during_save_leaves_previous_checkpoint_and_resume_is_bit_exact(tmp_path, save_async):
+    """async: the kill lands while the background thread writes step 6 (the training thread has gone
+    on, and waits for that write at the save of step 9)."""
     out, flag = tmp_path / "run", tmp_path / "paused"
     env = {**os.environ, ckpt.PAUSE_ENV: f"{flag}@6", "PYTHONPATH": os.pathsep.join([ROOT, TESTS])}
-    code = f"from test_checkpoint import _subprocess_main; _subprocess_main({str(out)!r}, {torch.get_num_threads()})"
+    code = (f"from test_checkpoint import _subprocess_main; "
+            f"_subprocess_main({str(out)!r}, {torch.get_num_threads()}, {save_async})")
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
