@@ -24,7 +24,6 @@ from typing import Any, Callable
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 from .checkpoint_io import (ALGORITHMS, CHECKSUM, HostStaging, file_checksum, fsync_dir, fsync_file,
                             lower_thread_priority, save_pickle, write_json, write_safetensors)
@@ -123,8 +122,8 @@ def load_weights(directory: str) -> dict[str, torch.Tensor]:
     aliases: dict[str, str] = {}
     for path in files:
         try:
-            state.update(load_file(path))
-            with safe_open(path, "pt") as f:
+            with safe_open(path, "pt") as f:  # one mapping of the file: tensors are read as they are used
+                state.update((k, f.get_tensor(k)) for k in f.keys())
                 aliases.update(json.loads((f.metadata() or {}).get("aliases", "{}")))
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from e
@@ -370,8 +369,11 @@ def verify_checkpoint(path: str) -> dict:
             raise CheckpointError(f"{mpath}: the entry of {rel} has no checksum this raytrain knows "
                                   f"(expected one of {', '.join(ALGORITHMS)})")
         checks.append((rel, fpath, algorithm, meta[algorithm]))
-    for rel, fpath, algorithm, expected in checks:
-        if file_checksum(fpath, algorithm) != expected:
+    # Files are checksummed concurrently (the hash releases the GIL); the first bad one in manifest order is named.
+    with ThreadPoolExecutor(min(4, len(checks) or 1), "raytrain-verify") as pool:
+        sums = list(pool.map(lambda c: file_checksum(c[1], c[2]), checks))
+    for (rel, fpath, algorithm, expected), actual in zip(checks, sums):
+        if actual != expected:
             raise CheckpointError(f"{fpath}: {algorithm} checksum mismatch with the manifest (corrupted)")
         if rel.endswith(".json"):
             try:
