@@ -217,13 +217,16 @@ def run_steps(mb: int, steps: int, tmp: str, mode: str) -> tuple[list[float], li
     return timer.intervals(skip=1)
 
 
-def bench_steps(mb: int, steps: int, tmp: str) -> dict:
+def bench_steps(mb: int, steps: int, rounds: int, tmp: str) -> dict:
+    """`rounds` runs per mode, the order of the three rotated each round, so drift hits all alike."""
     wall: dict[str, list[float]] = {"none": [], "sync": [], "async": []}
     cpu: dict[str, list[float]] = {"none": [], "sync": [], "async": []}
-    for mode in ("none", "sync", "async", "async", "sync", "none"):  # A B C C B A
-        w, c = run_steps(mb, steps, tmp, mode)
-        wall[mode] += w
-        cpu[mode] += c
+    modes = ["none", "async", "sync"]
+    for i in range(rounds):
+        for mode in modes[i % 3:] + modes[:i % 3]:
+            w, c = run_steps(mb, steps, tmp, mode)
+            wall[mode] += w
+            cpu[mode] += c
     return {m: {"median": statistics.median(wall[m]), "mean": statistics.fmean(wall[m]),
                 "cpu_median": statistics.median(cpu[m]), "cpu_mean": statistics.fmean(cpu[m])} for m in wall}
 
@@ -303,7 +306,8 @@ def bench_resume(late: int, tmp: str, reps: int, make_model) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mb", type=int, default=64, help="model size in MiB of float32 weights")
-    p.add_argument("--steps", type=int, default=30, help="timed steps per run in (b)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per run in (b)")
+    p.add_argument("--rounds", type=int, default=4, help="runs per mode in (b)")
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--resume-at", type=int, default=10_000)
     p.add_argument("--parts", default="a,b,c,e", help="which measurements to run")
@@ -335,7 +339,7 @@ def main() -> None:
                     rows.append((f"(a) {what}", f"{s[name]:.0f} vs {ref}", s[name] / s["bare"],
                                  s[name + "_med"] / s["bare_med"], "(info)"))
         if "b" in parts:
-            st = bench_steps(a.mb, a.steps, tmp)
+            st = bench_steps(a.mb, a.steps, a.rounds, tmp)
             none = st["none"]
             for mode in ("sync", "async"):
                 m = st[mode]
@@ -345,6 +349,9 @@ def main() -> None:
                 rows.append((f"(b) mean step, ckpt/10 steps, {mode}",
                              f"{m['mean'] * 1e3:.1f} vs {none['mean'] * 1e3:.1f} ms (none)",
                              m["mean"] / none["mean"], None, "(info)"))
+                rows.append((f"(b) median main-thread CPU/step, {mode}",
+                             f"{m['cpu_median'] * 1e3:.1f} vs {none['cpu_median'] * 1e3:.1f} ms (none)",
+                             m["cpu_median"] / none["cpu_median"], None, "(info: the step's own cost)"))
         if "c" in parts:
             ld = bench_load(a.mb, a.reps, tmp)
             rows.append(("(c) load+verify weights vs bare load_file",
@@ -365,7 +372,7 @@ def main() -> None:
         med_s = f"{med:.2f}x" if med is not None else ""
         print(f"{name:<50} {figures:<44} {ratio:>5.2f}x {med_s:>7}  {target}")
     print(f"ratios: throughput ours/reference ((a), (c): >1 is faster), time ours/reference ((b), (e)); "
-          f"best and median of {a.reps} alternated rounds; (b): {a.steps} steps x 2 runs per mode; "
+          f"best and median of {a.reps} alternated rounds; (b): {a.steps} steps x {a.rounds} rotated runs per mode; "
           f"load_avg at end {os.getloadavg()[0]:.2f}; total {time.perf_counter() - start:.0f} s")
 
 

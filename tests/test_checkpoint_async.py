@@ -196,3 +196,45 @@ def test_saves_meeting_one_in_flight_are_skipped_and_the_last_is_written(tmp_pat
         ckpt.verify_checkpoint(str(tmp_path / "skip" / name))
     assert_same(ckpt.load_weights(str(tmp_path / "skip" / "checkpoint-8")), weights(trainer))
     assert get_last_checkpoint(str(tmp_path / "skip")) == str(tmp_path / "skip" / "checkpoint-8")
+
+
+def test_two_ranks_write_one_checkpoint_that_rank_0_seals(tmp_path):
+    """Distributed saves (ranks as threads, a real barrier): each rank writes its own files, a backend
+    writes sharded ones; rank 0 checksums what it did not write itself and seals one manifest.
+    save_async stays synchronous here: the rename needs the barrier on the main thread."""
+    barrier = threading.Barrier(2, timeout=60)
+    errors = []
+
+    def shard(rank):
+        def write(directory):
+            os.makedirs(os.path.join(directory, "dcp"), exist_ok=True)
+            with open(os.path.join(directory, "dcp", f"__{rank}_0.distcp"), "wb") as f:
+                f.write(bytes([rank]) * 1000)
+        return write
+
+    def rank(r):
+        try:
+            writer = ckpt.CheckpointWriter(str(tmp_path), rank=r, world_size=2, strategy="ddp",
+                                           barrier=barrier.wait, save_async=True)
+            payload = ckpt.CheckpointPayload(pickles={f"rng_state_{r}.pth": {"cpu": torch.tensor([r])}},
+                                             sharded_writer=shard(r))
+            if r == 0:
+                payload.weights = {"w": torch.arange(6.0)}
+                payload.jsons = {"trainer_state.json": {"global_step": 5}}
+            writer.save(5, payload)
+            assert not writer.in_flight()
+            writer.close()
+        except Exception as e:  # surfaced below, with the rank
+            errors.append((r, e))
+            barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
+    [t.start() for t in threads]
+    [t.join(120) for t in threads]
+    assert not errors, errors
+    manifest = ckpt.verify_checkpoint(str(tmp_path / "checkpoint-5"))
+    assert set(manifest["files"]) == {"model.safetensors", "trainer_state.json", "rng_state_0.pth", "rng_state_1.pth",
+                                      "dcp/__0_0.distcp", "dcp/__1_0.distcp"}
+    assert manifest["world_size"] == 2 and manifest["strategy"] == "ddp"
+    assert all(set(e) == {"size", "xxh3_128"} for e in manifest["files"].values())
+    assert ckpt.load_pickle(str(tmp_path / "checkpoint-5" / "rng_state_1.pth"))["cpu"].tolist() == [1]
