@@ -1,6 +1,6 @@
 """Checkpoint cost: save throughput, step time with async checkpoints, load + verify, resume time.
 
-    python benchmarks/checkpoint.py [--mb 64] [--steps 30] [--reps 7] [--resume-at 10000] [--threads 1]
+    python benchmarks/checkpoint.py [--mb 64] [--steps 20] [--rounds 4] [--reps 7] [--resume-at 10000] [--parts a,b,c,e]
 
 Prints, each against a reference measured in the same run, the order of the two alternated over rounds:
   (a) save throughput of raytrain's atomic, checksummed, fsynced checkpoint of the weights against a
@@ -8,7 +8,8 @@ Prints, each against a reference measured in the same run, the order of the two 
       it: writing the same bytes into the page cache, with and without fsync, and the checksums
       (xxh3_128, blake3, sha256) in memory; also a full checkpoint (weights + AdamW state + small files);
   (b) median (target <= 1.05x) and mean step time with an async checkpoint every 10 steps against
-      none (sync for comparison); runs interleaved A B C C B A;
+      none (sync for comparison), and the main thread's CPU time per step (what the step itself pays,
+      whatever else loads the machine); runs of the three modes rotated over rounds;
   (c) load + verify: the weights' checksum + load_weights + load_state_dict against a bare
       safetensors load_file + load_state_dict (load_file maps the file lazily: the copy into the
       model is where its bytes are read) (target >= 0.8x); also a whole checkpoint with AdamW state;

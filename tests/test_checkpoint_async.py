@@ -238,3 +238,16 @@ def test_two_ranks_write_one_checkpoint_that_rank_0_seals(tmp_path):
     assert manifest["world_size"] == 2 and manifest["strategy"] == "ddp"
     assert all(set(e) == {"size", "xxh3_128"} for e in manifest["files"].values())
     assert ckpt.load_pickle(str(tmp_path / "checkpoint-5" / "rng_state_1.pth"))["cpu"].tolist() == [1]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_host_staging_from_cuda_uses_pinned_buffers_and_waits_for_the_copies():
+    staging = ckpt.HostStaging()
+    w = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+    host = staging.copy({"w": w, "view": w[10:]})
+    w.add_(1)  # the next step, queued behind the copy on the same stream
+    staging.ready()
+    assert host["w"].device.type == "cpu" and host["w"].is_pinned()
+    assert torch.equal(host["w"], torch.arange(1 << 20, dtype=torch.float32))
+    assert host["view"].untyped_storage().data_ptr() == host["w"].untyped_storage().data_ptr()
