@@ -171,7 +171,8 @@ class CheckpointWriter:
     """Writes checkpoints atomically, optionally in the background (save_async).
 
     An asynchronous save copies the state into reused host buffers at the step boundary (the only
-    part the step waits for) and writes from them on a background thread at lower CPU priority. A
+    part the step waits for) and writes from them, file after file, on a background thread at lower
+    CPU priority; a synchronous save writes its files concurrently. A
     save that arrives while one is still being written waits for it (async_policy "wait"), or, when
     the caller asks `should_skip()` first (async_policy "skip"), is dropped. In distributed runs every
     rank writes its own files into the shared temporary directory; after a barrier rank 0 writes the
@@ -191,8 +192,9 @@ class CheckpointWriter:
         background = save_async and world_size == 1  # distributed saves stay synchronous (see save)
         init = lower_thread_priority if background else None
         self._pool = ThreadPoolExecutor(1, "raytrain-ckpt", initializer=init) if background else None
-        # weights, optimizer and the small files written at once; disk and page cache take them in parallel
-        self._io = ThreadPoolExecutor(3, "raytrain-ckpt-io", initializer=init)
+        # A synchronous save writes weights, optimizer and small files at once (the step waits for the
+        # slowest); a background one writes them one after another, so it takes at most one core from training.
+        self._io = ThreadPoolExecutor(1 if background else 3, "raytrain-ckpt-io", initializer=init)
         self._staging = HostStaging()
         self._pending: Future | None = None
 
