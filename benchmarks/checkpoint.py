@@ -1,18 +1,20 @@
-"""Checkpoint cost: save throughput, step time with checkpoints (sync / async), resume time vs step.
+"""Checkpoint cost: save throughput, step time with async checkpoints, load + verify, resume time.
 
-    python benchmarks/checkpoint.py [--mb 64] [--steps 30] [--reps 7] [--resume-at 10000] [--threads 1]
+    python benchmarks/checkpoint.py [--mb 64] [--steps 20] [--rounds 4] [--reps 7] [--resume-at 10000] [--parts a,b,c,e]
 
-Prints, each against a reference measured in the same run:
-  (a) save throughput of raytrain's atomic, hashed, fsynced checkpoint against a bare
-      safetensors.torch.save_file of the same state dict (target >= 0.8x); also the throughput
-      of a full checkpoint (weights + AdamW state + the small files) in bytes per second; best of N;
-  (b) median (the target: <= 1.05x with async) and mean step time with a checkpoint every 10 steps
-      against none, synchronous and save_async; runs interleaved A B C C B A;
-  (c) time from train(resume_from_checkpoint=...) to the start of the first resumed step (verified,
-      restored, data stream positioned, first batch read), at step 10
-      against step 10,000 (target <= 1.1x), for a tiny model (where only fixed costs remain) and the
-      benchmark model. The step-10,000 checkpoint is written directly from the step-10 one (counters,
-      data position, schedule, a log_history of 1,000 entries), not trained.
+Prints, each against a reference measured in the same run, the order of the two alternated over rounds:
+  (a) save throughput of raytrain's atomic, checksummed, fsynced checkpoint of the weights against a
+      bare safetensors.torch.save_file of the same state dict (target >= 0.8x); with the limits beside
+      it: writing the same bytes into the page cache, with and without fsync, and the checksums
+      (xxh3_128, blake3, sha256) in memory; also a full checkpoint (weights + AdamW state + small files);
+  (b) median (target <= 1.05x) and mean step time with an async checkpoint every 10 steps against
+      none (sync for comparison), and the main thread's CPU time per step (what the step itself pays,
+      whatever else loads the machine); runs of the three modes rotated over rounds;
+  (c) load + verify: the weights' checksum + load_weights + load_state_dict against a bare
+      safetensors load_file + load_state_dict (load_file maps the file lazily: the copy into the
+      model is where its bytes are read) (target >= 0.8x); also a whole checkpoint with AdamW state;
+  (e) time from train(resume_from_checkpoint=...) to the first resumed step at step 10,000 against
+      step 10 (target <= 1.1x), for a tiny model and the benchmark model (--resume-at 0 skips it).
 Timings never decide a test; on a shared machine, rerun for stable figures.
 """
 
@@ -30,13 +32,14 @@ import tempfile
 import time
 
 import torch
-from safetensors.torch import save, save_file
+from safetensors.torch import load_file, save, save_file
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from raytrain import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 from raytrain import checkpoint as ckpt  # noqa: E402
+from raytrain import checkpoint_io  # noqa: E402
 
 
 class MLP(nn.Module):
@@ -71,49 +74,114 @@ def quiet(trainer: Trainer) -> Trainer:
     return trainer
 
 
-# ---------------------------------------------------------------- (a) save throughput
+# ---------------------------------------------------------------- (a) save throughput, (c) load + verify
 
 
-def bench_save(mb: int, reps: int, tmp: str) -> dict:
+def trained_state(mb: int):
+    """The model, its weights and a stepped AdamW's state (exp_avg, exp_avg_sq: twice the weights)."""
     model = big_mlp(mb)
-    state = {k: v.detach() for k, v in model.state_dict().items()}
     opt = torch.optim.AdamW(model.parameters())
     model(**{k: v[:2] for k, v in data(2).items()})["loss"].backward()
     opt.step()
-    opt_state = opt.state_dict()
-    bare, ours, full = [], [], []
-    for i in range(reps):  # interleaved, so drift on a shared machine hits every side alike
-        path = os.path.join(tmp, "bare.safetensors")
-        t = time.perf_counter()
-        save_file(state, path, metadata={"format": "pt"})
-        bare.append(time.perf_counter() - t)
-        os.remove(path)
+    return model, {k: v.detach() for k, v in model.state_dict().items()}, opt.state_dict()
 
-        writer = ckpt.CheckpointWriter(os.path.join(tmp, "w"))
-        os.makedirs(writer.output_dir, exist_ok=True)
-        t = time.perf_counter()
-        writer.save(i, ckpt.CheckpointPayload(weights=state))
-        ours.append(time.perf_counter() - t)
 
-        t = time.perf_counter()
-        writer.save(100 + i, ckpt.CheckpointPayload(weights=state, pickles={"optimizer.pt": opt_state,
-                                                                            "scheduler.pt": {"last_epoch": i}},
-                                                    jsons={"trainer_state.json": {"global_step": i}}))
-        full.append(time.perf_counter() - t)
-        full_bytes = sum(os.path.getsize(os.path.join(writer.output_dir, f"checkpoint-{100 + i}", f))
-                         for f in os.listdir(os.path.join(writer.output_dir, f"checkpoint-{100 + i}")))
-        shutil.rmtree(writer.output_dir)
+def alternate(reps: int, fns: dict) -> dict[str, list[float]]:
+    """Run every fn `reps` times, rotating their order each round; seconds per run."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    names = list(fns)
+    for i in range(reps):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            t = time.perf_counter()
+            cleanup = fns[name]()
+            times[name].append(time.perf_counter() - t)
+            if callable(cleanup):  # deleting what was written is not part of the timing
+                cleanup()
+    return times
+
+
+def bench_save(mb: int, reps: int, tmp: str) -> dict:
+    model, state, opt_state = trained_state(mb)
+    out = os.path.join(tmp, "w")
+    os.makedirs(out)
+    writer = ckpt.CheckpointWriter(out)
+    steps = iter(range(10**6))
     raw = save(state)
-    sha = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        hashlib.sha256(raw).hexdigest()
-        sha.append(time.perf_counter() - t)
+    full_bytes = []
+
+    def bare():
+        path = os.path.join(tmp, "bare.safetensors")
+        save_file(state, path, metadata={"format": "pt"})
+        return lambda: os.remove(path)
+
+    def ours():
+        path = writer.save(next(steps), ckpt.CheckpointPayload(weights=state))
+        return lambda: shutil.rmtree(path)
+
+    def full():
+        path = writer.save(next(steps), ckpt.CheckpointPayload(
+            weights=state, pickles={"optimizer.pt": opt_state, "scheduler.pt": {"last_epoch": 1}},
+            jsons={"trainer_state.json": {"global_step": 1}}))
+        full_bytes.append(sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)))
+        return lambda: shutil.rmtree(path)
+
+    def page_cache(sync: bool):
+        def write():
+            path = os.path.join(tmp, "raw")
+            with open(path, "wb") as f:
+                f.write(raw)
+                if sync:
+                    os.fsync(f.fileno())
+            return lambda: os.remove(path)
+        return write
+
+    t = alternate(reps, {"bare": bare, "ours": ours, "full": full, "write": page_cache(False),
+                         "write_fsync": page_cache(True)})
+    writer.close()
+    hashes = alternate(reps, {"xxh3_128": lambda: checkpoint_io.ALGORITHMS["xxh3_128"](raw).digest(),
+                              "sha256": lambda: hashlib.sha256(raw).digest(), **_blake3(raw)})
     size = nbytes(state)
-    b, o, f = min(bare), min(ours), min(full)  # best of N: the run least disturbed by other load
-    return {"weights_mb": size / 2**20, "bare_mb_s": size / b / 2**20, "ours_mb_s": size / o / 2**20,
-            "full_mb": full_bytes / 2**20, "full_mb_s": full_bytes / f / 2**20,
-            "sha_mb_s": len(raw) / min(sha) / 2**20}
+    out = {"weights_mb": size / 2**20, "full_mb": full_bytes[0] / 2**20}
+    for name, ts in {**t, **hashes}.items():
+        n = full_bytes[0] if name == "full" else size
+        out[name] = n / min(ts) / 2**20  # best of N: the run least disturbed by other load
+        out[name + "_med"] = n / statistics.median(ts) / 2**20
+    return out
+
+
+def _blake3(raw: bytes) -> dict:
+    try:
+        import blake3
+    except ImportError:
+        return {}
+    return {"blake3": lambda: blake3.blake3(raw).digest()}
+
+
+def bench_load(mb: int, reps: int, tmp: str) -> dict:
+    model, state, opt_state = trained_state(mb)
+    opt = torch.optim.AdamW(model.parameters())
+    out = os.path.join(tmp, "load")
+    os.makedirs(out)
+    path = ckpt.CheckpointWriter(out).save(1, ckpt.CheckpointPayload(
+        weights=state, pickles={"optimizer.pt": opt_state}, jsons={"trainer_state.json": {"global_step": 1}}))
+    weights_file, opt_file = os.path.join(path, ckpt.WEIGHTS), os.path.join(path, "optimizer.pt")
+
+    def verify_weights():  # what resume checks of the weights: the manifest entry, size, checksum
+        manifest = json.load(open(os.path.join(path, ckpt.MANIFEST)))
+        if checkpoint_io.file_checksum(weights_file) != manifest["files"][ckpt.WEIGHTS][ckpt.CHECKSUM]:
+            raise RuntimeError("mismatch")
+
+    fns = {
+        "bare": lambda: model.load_state_dict(load_file(weights_file)),
+        "ours": lambda: (verify_weights(), model.load_state_dict(ckpt.load_weights(path))),
+        "bare_full": lambda: (model.load_state_dict(load_file(weights_file)),
+                              opt.load_state_dict(torch.load(opt_file, weights_only=True))),
+        "ours_full": lambda: (ckpt.verify_checkpoint(path), model.load_state_dict(ckpt.load_weights(path)),
+                              opt.load_state_dict(ckpt.load_pickle(opt_file))),
+    }
+    t = alternate(reps, fns)
+    shutil.rmtree(out)
+    return {k: min(v) for k, v in t.items()} | {k + "_med": statistics.median(v) for k, v in t.items()}
 
 
 # ---------------------------------------------------------------- (b) step time with checkpoints
@@ -150,13 +218,16 @@ def run_steps(mb: int, steps: int, tmp: str, mode: str) -> tuple[list[float], li
     return timer.intervals(skip=1)
 
 
-def bench_steps(mb: int, steps: int, tmp: str) -> dict:
+def bench_steps(mb: int, steps: int, rounds: int, tmp: str) -> dict:
+    """`rounds` runs per mode, the order of the three rotated each round, so drift hits all alike."""
     wall: dict[str, list[float]] = {"none": [], "sync": [], "async": []}
     cpu: dict[str, list[float]] = {"none": [], "sync": [], "async": []}
-    for mode in ("none", "sync", "async", "async", "sync", "none"):  # A B C C B A
-        w, c = run_steps(mb, steps, tmp, mode)
-        wall[mode] += w
-        cpu[mode] += c
+    modes = ["none", "async", "sync"]
+    for i in range(rounds):
+        for mode in modes[i % 3:] + modes[:i % 3]:
+            w, c = run_steps(mb, steps, tmp, mode)
+            wall[mode] += w
+            cpu[mode] += c
     return {m: {"median": statistics.median(wall[m]), "mean": statistics.fmean(wall[m]),
                 "cpu_median": statistics.median(cpu[m]), "cpu_mean": statistics.fmean(cpu[m])} for m in wall}
 
@@ -236,52 +307,74 @@ def bench_resume(late: int, tmp: str, reps: int, make_model) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--mb", type=int, default=64, help="model size in MiB of float32 weights")
-    p.add_argument("--steps", type=int, default=30, help="timed steps per run in (b)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per run in (b)")
+    p.add_argument("--rounds", type=int, default=4, help="runs per mode in (b)")
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--resume-at", type=int, default=10_000)
+    p.add_argument("--parts", default="a,b,c,e", help="which measurements to run")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads; 1 leaves the other cores to the background writer, as a GPU "
                         "job leaves its CPU cores, and keeps step times steady on a shared machine")
     a = p.parse_args()
+    parts = set(a.parts.split(","))
     torch.set_num_threads(a.threads)
     start = time.perf_counter()
     print(f"machine: {platform.platform()} cpus={os.cpu_count()} torch={torch.__version__} "
-          f"python={platform.python_version()} torch_threads={a.threads}")
+          f"python={platform.python_version()} torch_threads={a.threads} load_avg={os.getloadavg()[0]:.2f}")
+    rows = []
     with tempfile.TemporaryDirectory(dir=os.environ.get("RAYTRAIN_BENCH_DIR")) as tmp:
-        s = bench_save(a.mb, a.reps, tmp)
-        st = bench_steps(a.mb, a.steps, tmp)
-        resumes = [bench_resume(a.resume_at, tmp, a.reps, lambda: MLP(32, 2)),
-                   bench_resume(a.resume_at, tmp, a.reps, lambda: big_mlp(a.mb))]
-    rows = [
-        ("(a) save: checkpoint vs bare save_file",
-         f"{s['ours_mb_s']:.0f} vs {s['bare_mb_s']:.0f} MB/s ({s['weights_mb']:.0f} MB weights)",
-         s["ours_mb_s"] / s["bare_mb_s"], ">= 0.8x"),
-        ("(a) save: full checkpoint vs bare save_file",
-         f"{s['full_mb_s']:.0f} vs {s['bare_mb_s']:.0f} MB/s ({s['full_mb']:.0f} MB with AdamW)",
-         s["full_mb_s"] / s["bare_mb_s"], "(info)"),
-        ("(a) sha256 alone (in memory) vs bare save_file", f"{s['sha_mb_s']:.0f} vs {s['bare_mb_s']:.0f} MB/s",
-         s["sha_mb_s"] / s["bare_mb_s"], "(the ceiling of a hashed save on 1 core)"),
-    ]
-    none = st["none"]
-    for mode in ("sync", "async"):
-        m = st[mode]
-        rows.append((f"(b) median step, ckpt/10 steps, {mode}", f"{m['median'] * 1e3:.1f} vs {none['median'] * 1e3:.1f} ms",
-                     m["median"] / none["median"], "<= 1.05x" if mode == "async" else "(info)"))
-        rows.append((f"(b) mean step, ckpt/10 steps, {mode}", f"{m['mean'] * 1e3:.1f} vs {none['mean'] * 1e3:.1f} ms",
-                     m["mean"] / none["mean"], "(info)"))
-        rows.append((f"(b) mean main-thread CPU/step, {mode}",
-                     f"{m['cpu_mean'] * 1e3:.1f} vs {none['cpu_mean'] * 1e3:.1f} ms", m["cpu_mean"] / none["cpu_mean"],
-                     "(info)"))
-    for r in resumes:
-        label = f"{r['weights_mb']:.2f} MB" if r["weights_mb"] < 1 else f"{r['weights_mb']:.0f} MB"
-        rows.append((f"(c) resume at {a.resume_at} vs 10, {label} model",
-                     f"{r['late'] * 1e3:.1f} vs {r['early'] * 1e3:.1f} ms (median {r['late_med'] * 1e3:.1f} vs "
-                     f"{r['early_med'] * 1e3:.1f})", r["late"] / r["early"], "<= 1.1x"))
-    print(f"{'measure':<48} {'figures':<46} {'ratio':>7}  target")
-    for name, figures, ratio, target in rows:
-        print(f"{name:<48} {figures:<46} {ratio:>6.2f}x  {target}")
-    print(f"(a): best of {a.reps}; (b): {a.steps} steps x 2 runs per mode, interleaved; (c): best of {a.reps} resumes each, "
-          f"alternating; total {time.perf_counter() - start:.0f} s")
+        if "a" in parts:
+            s = bench_save(a.mb, a.reps, tmp)
+            ref = f"{s['bare']:.0f} MB/s bare save_file"
+            rows.append(("(a) save: checkpoint (weights) vs bare save_file",
+                         f"{s['ours']:.0f} vs {ref} ({s['weights_mb']:.0f} MB)", s["ours"] / s["bare"],
+                         s["ours_med"] / s["bare_med"], ">= 0.8x"))
+            rows.append(("(a) save: full checkpoint (+AdamW) vs bare",
+                         f"{s['full']:.0f} vs {ref} ({s['full_mb']:.0f} MB)", s["full"] / s["bare"],
+                         s["full_med"] / s["bare_med"], "(info)"))
+            for name, what in (("write", "limit: write() into the page cache"),
+                               ("write_fsync", "limit: write() + fsync"),
+                               ("xxh3_128", "checksum xxh3_128 in memory (used)"),
+                               ("blake3", "checksum blake3 in memory"), ("sha256", "checksum sha256 in memory")):
+                if name in s:
+                    rows.append((f"(a) {what}", f"{s[name]:.0f} vs {ref}", s[name] / s["bare"],
+                                 s[name + "_med"] / s["bare_med"], "(info)"))
+        if "b" in parts:
+            st = bench_steps(a.mb, a.steps, a.rounds, tmp)
+            none = st["none"]
+            for mode in ("sync", "async"):
+                m = st[mode]
+                rows.append((f"(b) median step, ckpt/10 steps, {mode}",
+                             f"{m['median'] * 1e3:.1f} vs {none['median'] * 1e3:.1f} ms (none)",
+                             m["median"] / none["median"], None, "<= 1.05x" if mode == "async" else "(info)"))
+                rows.append((f"(b) mean step, ckpt/10 steps, {mode}",
+                             f"{m['mean'] * 1e3:.1f} vs {none['mean'] * 1e3:.1f} ms (none)",
+                             m["mean"] / none["mean"], None, "(info)"))
+                rows.append((f"(b) median main-thread CPU/step, {mode}",
+                             f"{m['cpu_median'] * 1e3:.1f} vs {none['cpu_median'] * 1e3:.1f} ms (none)",
+                             m["cpu_median"] / none["cpu_median"], None, "(info: the step's own cost)"))
+        if "c" in parts:
+            ld = bench_load(a.mb, a.reps, tmp)
+            rows.append(("(c) load+verify weights vs bare load_file",
+                         f"{ld['ours'] * 1e3:.1f} vs {ld['bare'] * 1e3:.1f} ms", ld["bare"] / ld["ours"],
+                         ld["bare_med"] / ld["ours_med"], ">= 0.8x"))
+            rows.append(("(c) load+verify with AdamW state vs bare",
+                         f"{ld['ours_full'] * 1e3:.1f} vs {ld['bare_full'] * 1e3:.1f} ms",
+                         ld["bare_full"] / ld["ours_full"], ld["bare_full_med"] / ld["ours_full_med"], "(info)"))
+        if "e" in parts and a.resume_at:
+            for make in (lambda: MLP(32, 2), lambda: big_mlp(a.mb)):
+                r = bench_resume(a.resume_at, tmp, a.reps, make)
+                label = f"{r['weights_mb']:.2f} MB" if r["weights_mb"] < 1 else f"{r['weights_mb']:.0f} MB"
+                rows.append((f"(e) resume at {a.resume_at} vs 10, {label} model",
+                             f"{r['late'] * 1e3:.1f} vs {r['early'] * 1e3:.1f} ms", r["late"] / r["early"],
+                             r["late_med"] / r["early_med"], "<= 1.1x"))
+    print(f"{'measure':<50} {'figures':<44} {'best':>6} {'median':>7}  target")
+    for name, figures, ratio, med, target in rows:
+        med_s = f"{med:.2f}x" if med is not None else ""
+        print(f"{name:<50} {figures:<44} {ratio:>5.2f}x {med_s:>7}  {target}")
+    print(f"ratios: throughput ours/reference ((a), (c): >1 is faster), time ours/reference ((b), (e)); "
+          f"best and median of {a.reps} alternated rounds; (b): {a.steps} steps x {a.rounds} rotated runs per mode; "
+          f"load_avg at end {os.getloadavg()[0]:.2f}; total {time.perf_counter() - start:.0f} s")
 
 
 if __name__ == "__main__":

@@ -1,11 +1,13 @@
 """Loop overhead: raytrain's Trainer against a hand-written PyTorch loop, same model, batches, optimizer.
 
-    python benchmarks/loop_overhead.py [--steps 300] [--warmup 30]
+    python benchmarks/loop_overhead.py [--steps 300] [--warmup 30] [--rounds 3] [--threads 1]
 
-Prints the median step time of each and their ratio (targets: <= 1.15x on a tiny MLP, where fixed
-per-step overhead dominates, and <= 1.03x on a ~10M-parameter transformer). Runs are interleaved
-(A B B A) so that drift on a shared machine hits both sides alike. With `transformers` installed
-(the `bench` extra), HF's Trainer runs the same model and batches too.
+Prints the median step time of each and their ratio (targets: <= 1.10x on a tiny MLP, where fixed
+per-step overhead dominates, and <= 1.03x on a ~10M-parameter transformer, both below HF's Trainer).
+Each round runs the hand loop, raytrain and (with `transformers` installed, the `bench` extra) HF's
+Trainer, their order rotated from round to round so that drift on a shared machine hits all alike.
+Beside wall time it prints the main thread's CPU time per step: with one torch thread all the work is
+on that thread, so its ratio holds even when other jobs load the machine (wall time does not).
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ def hand_loop(model_cls, data, bs, steps, warmup) -> list[float]:
     order = batch_order(data, bs, seed=42)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / steps)
-    times, last = [], time.perf_counter()
+    times, last = [], (time.perf_counter(), time.thread_time())
     model.train()
     for idx in order[:steps]:
         batch = {k: v[idx] for k, v in data.items()}
@@ -88,8 +90,8 @@ def hand_loop(model_cls, data, bs, steps, warmup) -> list[float]:
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        now = time.perf_counter()
-        times.append(now - last)
+        now = (time.perf_counter(), time.thread_time())
+        times.append((now[0] - last[0], now[1] - last[1]))
         last = now
     return times[warmup:]
 
@@ -99,9 +101,9 @@ class _StepTimer(TrainerCallback):
         self.times, self.last = [], None
 
     def on_step_end(self, args, state, control, **kw):
-        now = time.perf_counter()
+        now = (time.perf_counter(), time.thread_time())
         if self.last is not None:
-            self.times.append(now - self.last)
+            self.times.append((now[0] - self.last[0], now[1] - self.last[1]))
         self.last = now
 
 
@@ -129,9 +131,9 @@ def hf_loop(model_cls, data, bs, steps, warmup) -> list[float] | None:
             self.times, self.last = [], None
 
         def on_step_end(self, args, state, control, **kw):
-            now = time.perf_counter()
+            now = (time.perf_counter(), time.thread_time())
             if self.last is not None:
-                self.times.append(now - self.last)
+                self.times.append((now[0] - self.last[0], now[1] - self.last[1]))
             self.last = now
 
     class _Rows(torch.utils.data.Dataset):
@@ -155,23 +157,32 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--warmup", type=int, default=30)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads (1: CPU time is all on one thread)")
     p.add_argument("--cases", default="tiny_mlp,transformer_10m")
     a = p.parse_args()
-    torch.set_num_threads(max(1, os.cpu_count() or 1))
-    print(f"machine: {platform.machine()} {platform.processor() or ''} cpus={os.cpu_count()} "
-          f"torch={torch.__version__} python={platform.python_version()}")
-    print(f"{'case':<16} {'params':>9} {'hand ms':>9} {'raytrain ms':>12} {'ratio':>7} {'HF ratio':>9}")
+    torch.set_num_threads(a.threads)
+    print(f"machine: {platform.machine()} {platform.processor() or ''} cpus={os.cpu_count()} torch={torch.__version__} "
+          f"python={platform.python_version()} torch_threads={a.threads} load_avg={os.getloadavg()[0]:.2f}")
+    print(f"{'case':<16} {'params':>8} {'hand ms':>8} {'ours ms':>8} {'ratio':>7} {'HF ratio':>9} "
+          f"{'CPU ratio':>10} {'HF CPU':>8}")
+    loops = {"hand": hand_loop, "ours": raytrain_loop, "hf": hf_loop}
     for name in a.cases.split(","):
         model_cls, data, bs = make_case(name, a.steps)
         params = sum(p.numel() for p in model_cls().parameters())
-        hand, ours = [], []
-        for order in ("hand", "ours", "ours", "hand"):  # A B B A
-            fn = hand_loop if order == "hand" else raytrain_loop
-            (hand if order == "hand" else ours).extend(fn(model_cls, data, bs, a.steps, a.warmup))
-        hf = hf_loop(model_cls, data, bs, a.steps, a.warmup)
-        h, o = statistics.median(hand), statistics.median(ours)
-        hf_ratio = f"{statistics.median(hf) / h:.3f}x" if hf else "n/a"
-        print(f"{name:<16} {params / 1e6:>8.2f}M {h * 1e3:>9.3f} {o * 1e3:>12.3f} {o / h:>6.3f}x {hf_ratio:>9}")
+        times: dict[str, list] = {k: [] for k in loops}
+        names = list(loops)
+        for i in range(a.rounds):
+            for key in names[i % 3:] + names[:i % 3]:
+                times[key].extend(loops[key](model_cls, data, bs, a.steps, a.warmup) or [])
+        wall = {k: statistics.median(t[0] for t in v) for k, v in times.items() if v}
+        cpu = {k: statistics.median(t[1] for t in v) for k, v in times.items() if v}
+        hf = f"{wall['hf'] / wall['hand']:.3f}x" if "hf" in wall else "n/a"
+        hf_cpu = f"{cpu['hf'] / cpu['hand']:.3f}x" if "hf" in cpu else "n/a"
+        print(f"{name:<16} {params / 1e6:>7.2f}M {wall['hand'] * 1e3:>8.3f} {wall['ours'] * 1e3:>8.3f} "
+              f"{wall['ours'] / wall['hand']:>6.3f}x {hf:>9} {cpu['ours'] / cpu['hand']:>9.3f}x {hf_cpu:>8}")
+    print(f"medians over {a.rounds} rotated rounds of {a.steps - a.warmup} timed steps; load_avg at end "
+          f"{os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

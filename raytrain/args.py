@@ -225,10 +225,14 @@ class TrainingArguments:
     auto_find_batch_size: bool = _f(False, "halve the batch size on out-of-memory and retry")
     report_to: str | list[str] = _f("none", "integrations to report to: none, all, or mlflow")
     run_name: str | None = _f(None, "name of the run in the tracking integration")
+    mlflow_log_best_checkpoint: bool = _f(False, "also log the best checkpoint to MLflow (artifact best_checkpoint/)")
     disable_tqdm: bool | None = _f(False, "hide progress bars")
     log_level: Literal["passive", "debug", "info", "warning", "error", "critical"] = _f(
         "passive", "level of raytrain's logger on the main process (passive: leave it as it is)")
     save_async: bool = _f(False, "write checkpoints in a background thread")
+    save_async_policy: Literal["wait", "skip"] = _f(
+        "wait", "a save that arrives while a background save is still being written: 'wait' for it, or 'skip' "
+                "this one (the run's last save and a new best are always written)")
     max_nonfinite_steps: Annotated[int | None, Field(ge=1)] = _f(
         None, "stop after this many consecutive steps skipped for non-finite gradients; unset: log and continue")
     save_only_model: bool = _f(False, "checkpoint only the model (cannot resume training)")

@@ -1,46 +1,45 @@
-"""Checkpoints as a contract: layout, atomic write, manifest + sha256, verification, rotation, loading.
+"""Checkpoints as a contract: layout, atomic write, manifest + checksums, verification, rotation, loading.
 
 A checkpoint `output_dir/checkpoint-N/` is written into `.tmp-checkpoint-N/` and renamed into place
-only after every file and, last, `manifest.json` (sizes and sha256 of every file) are on disk. So a
-crash at any instant leaves at most one complete new checkpoint, never a half-written one. Every
-file is hashed while it is written (no second read), fsynced, and verified against the manifest
-before anything is loaded from it. Weights are safetensors; everything pickled is loaded with
-`weights_only=True`, so a checkpoint cannot run code.
+only after every file is fsynced and, last, `manifest.json` (size and checksum of every file, with
+the algorithm's name) is written. So a crash at any instant leaves at most one complete new
+checkpoint, never a half-written one. Files are written concurrently (weights, optimizer, small
+files), each checksummed while it is written (no second read; checkpoint_io.py), and verified against
+the manifest before anything is loaded from it. Weights are safetensors; everything pickled is
+loaded with `weights_only=True`, so a checkpoint cannot run code.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
 import pickle
 import re
 import shutil
-import struct
-import sys
 import threading
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+
+from .checkpoint_io import (ALGORITHMS, CHECKSUM, HostStaging, file_checksum, fsync_dir, fsync_file,
+                            lower_thread_priority, save_pickle, write_json, write_safetensors)
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: per-file checksum named by its algorithm (1: always sha256; still read)
 PREFIX = "checkpoint"
 MANIFEST = "manifest.json"
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 TRAINER_STATE = "trainer_state.json"
 MAX_SHARD_BYTES = 5 * 1024**3
+ASYNC_POLICIES = ("wait", "skip")
 _CKPT_RE = re.compile(rf"^{PREFIX}-(\d+)$")
 _TMP_RE = re.compile(rf"^\.tmp-{PREFIX}-\d+$|^{PREFIX}-\d+\.replaced$")
-_CHUNK = 16 << 20  # bytes handed to write() / the hasher at a time
 # Test hook: "FLAGFILE" or "FLAGFILE@STEP". The writer creates FLAGFILE and blocks forever once every
 # file of the checkpoint (of step STEP, or of any step) is in the temporary directory but before the
 # manifest is written, so that a test can kill the process mid-save.
@@ -51,127 +50,7 @@ class CheckpointError(RuntimeError):
     """A checkpoint that is incomplete, corrupt or unsafe; the message names the file."""
 
 
-# ---------------------------------------------------------------- files, each hashed as it is written
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # some filesystems refuse fsync on directories
-        pass
-    finally:
-        os.close(fd)
-
-
-def sha256_file(path: str, chunk: int = 1 << 22) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def _start_writeback(f, offset: int, nbytes: int) -> None:
-    """Ask the kernel to start writing this range to disk now (it stays cached), so that the fsync
-    at the end of the file waits for little: disk I/O overlaps the writing and hashing that follow."""
-    if nbytes >= 1 << 20 and hasattr(os, "posix_fadvise"):
-        f.flush()
-        try:
-            os.posix_fadvise(f.fileno(), offset, nbytes, os.POSIX_FADV_DONTNEED)
-        except OSError:
-            pass
-
-
-class _HashingFile:
-    """A binary file opened for writing whose bytes are hashed on the way through; close() fsyncs and
-    returns the manifest entry {"size", "sha256"}. torch.save writes into it like any file.
-
-    parallel: a helper thread hashes while the next bytes are written (the buffers are copied, since
-    they may be reused once write returns; at most `_PENDING` wait). Otherwise the hash runs inline,
-    with no copy and no extra thread: the choice of a background save, which should take as little
-    CPU from training as it can."""
-
-    _PENDING = 4
-
-    def __init__(self, path: str, parallel: bool = True):
-        self._f = open(path, "wb")
-        self._h = hashlib.sha256()
-        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="raytrain-sha256") if parallel else None
-        self._pending: deque[Future] = deque()
-        self.size = 0
-
-    def write(self, data) -> int:
-        if self._hasher is None:
-            self._h.update(data)  # releases the GIL on large buffers
-        else:
-            if len(self._pending) >= self._PENDING:
-                self._pending.popleft().result()
-            self._pending.append(self._hasher.submit(self._h.update, bytes(data)))
-        n = self._f.write(data)
-        _start_writeback(self._f, self.size, n)
-        self.size += n
-        return n
-
-    def flush(self) -> None:
-        self._f.flush()
-
-    def close(self) -> dict:
-        if self._hasher is not None:
-            self._hasher.shutdown(wait=True)
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
-        return {"size": self.size, "sha256": self._h.hexdigest()}
-
-
-def _write_chunks(path: str, chunks: Iterable, parallel: bool = True) -> dict:
-    """Write byte chunks (which must stay alive and unchanged until return) and hash the same memory,
-    in a helper thread when `parallel`, so the sha256 costs no second pass; fsync; return the
-    manifest entry."""
-    h, size = hashlib.sha256(), 0
-    hasher = ThreadPoolExecutor(1, thread_name_prefix="raytrain-sha256") if parallel else None
-    try:
-        with open(path, "wb") as f:
-            for chunk in chunks:
-                if hasher is None:
-                    h.update(chunk)
-                else:
-                    hasher.submit(h.update, chunk)  # one worker: updates run in order
-                f.write(chunk)
-                _start_writeback(f, size, len(chunk))
-                size += len(chunk)
-            f.flush()
-            os.fsync(f.fileno())
-    finally:
-        if hasher is not None:
-            hasher.shutdown(wait=True)
-    return {"size": size, "sha256": h.hexdigest()}
-
-
-def _save_pickle(obj: Any, path: str, parallel: bool = True) -> dict:
-    f = _HashingFile(path, parallel)
-    try:
-        torch.save(obj, f)
-    finally:
-        entry = f.close()
-    return entry
-
-
-def _write_json(obj: Any, path: str) -> dict:
-    text = obj if isinstance(obj, str) else json.dumps(obj, indent=2, sort_keys=True) + "\n"
-    return _write_chunks(path, [text.encode("utf-8")])
-
-
 # ---------------------------------------------------------------- weights (safetensors)
-
-_ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-              torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
-              torch.float8_e5m2: "F8_E5M2"}
 
 
 def _dedupe_shared(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -188,39 +67,7 @@ def _dedupe_shared(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tens
     return out, aliases
 
 
-def _write_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: dict[str, str],
-                       parallel: bool = True) -> dict:
-    """The safetensors format (8-byte header length, JSON header, raw little-endian data, largest
-    dtypes first so every tensor is aligned), streamed from the tensors' memory and hashed in
-    parallel. Anything unusual (a dtype outside the common set) goes through save_file instead."""
-    if sys.byteorder != "little" or any(t.dtype not in _ST_DTYPES for t in tensors.values()):
-        save_file(tensors, path, metadata=metadata)
-        with open(path, "rb+") as f:
-            os.fsync(f.fileno())
-        return {"size": os.path.getsize(path), "sha256": sha256_file(path)}
-    names = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
-    header: dict[str, Any] = {"__metadata__": metadata}
-    offset = 0
-    for name in names:
-        t = tensors[name]
-        nbytes = t.numel() * t.element_size()
-        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    head = json.dumps(header, separators=(",", ":")).encode("utf-8")
-    head += b" " * (-len(head) % 8)
-    flat = [tensors[n].detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy() for n in names]
-
-    def chunks():
-        yield struct.pack("<Q", len(head)) + head
-        for arr in flat:
-            for start in range(0, len(arr), _CHUNK):
-                yield memoryview(arr[start:start + _CHUNK])
-
-    return _write_chunks(path, chunks(), parallel)
-
-
-def _write_weights(state: dict[str, torch.Tensor], directory: str, max_shard_bytes: int | None = None,
-                   parallel: bool = True) -> dict:
+def _write_weights(state: dict[str, torch.Tensor], directory: str, max_shard_bytes: int | None = None) -> dict:
     """Write weights as model.safetensors, or above max_shard_bytes as model-0000i-of-0000n.safetensors
     shards plus model.safetensors.index.json; return {file name: manifest entry}."""
     max_shard_bytes = MAX_SHARD_BYTES if max_shard_bytes is None else max_shard_bytes
@@ -228,7 +75,7 @@ def _write_weights(state: dict[str, torch.Tensor], directory: str, max_shard_byt
     meta = {"format": "pt", "aliases": json.dumps(aliases, sort_keys=True)}
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     if total <= max_shard_bytes:
-        return {WEIGHTS: _write_safetensors(tensors, os.path.join(directory, WEIGHTS), meta, parallel)}
+        return {WEIGHTS: write_safetensors(tensors, os.path.join(directory, WEIGHTS), meta)}
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, t in tensors.items():
@@ -241,10 +88,10 @@ def _write_weights(state: dict[str, torch.Tensor], directory: str, max_shard_byt
     entries, weight_map = {}, {}
     for i, shard in enumerate(shards, 1):
         fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        entries[fname] = _write_safetensors(shard, os.path.join(directory, fname), meta, parallel)
+        entries[fname] = write_safetensors(shard, os.path.join(directory, fname), meta)
         weight_map.update({k: fname for k in shard})
     index = {"metadata": {"total_size": total, "aliases": aliases}, "weight_map": weight_map}
-    entries[WEIGHTS_INDEX] = _write_json(index, os.path.join(directory, WEIGHTS_INDEX))
+    entries[WEIGHTS_INDEX] = write_json(index, os.path.join(directory, WEIGHTS_INDEX))
     return entries
 
 
@@ -275,8 +122,8 @@ def load_weights(directory: str) -> dict[str, torch.Tensor]:
     aliases: dict[str, str] = {}
     for path in files:
         try:
-            state.update(load_file(path))
-            with safe_open(path, "pt") as f:
+            with safe_open(path, "pt") as f:  # one mapping of the file: tensors are read as they are used
+                state.update((k, f.get_tensor(k)) for k in f.keys())
                 aliases.update(json.loads((f.metadata() or {}).get("aliases", "{}")))
         except (SafetensorError, OSError, ValueError) as e:
             raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from e
@@ -312,38 +159,9 @@ class CheckpointPayload:
     extra_files: Callable[[str], None] | None = None     # rank 0's small files (HF config, tokenizer), synchronously
 
 
-def _to_host(obj: Any, memo: dict | None = None) -> Any:
-    """A deep copy with every tensor copied to CPU memory, so training may go on mutating the
-    originals. Sharing is kept: tensors that shared storage share it (tied weights, views), and an
-    object met twice is copied once (pickle memoizes by identity: optimizer param_groups share one
-    `betas` tuple), so what is written from the copy is byte-identical to the originals."""
-    memo = {} if memo is None else memo
-    if id(obj) in memo:
-        return memo[id(obj)][1]
-    if isinstance(obj, torch.Tensor):
-        t = obj.detach()
-        storage = t.untyped_storage()
-        if storage.nbytes() == 0:
-            copy = t.to("cpu", copy=True)
-        else:
-            key = ("storage", t.device, storage.data_ptr())
-            if key not in memo:
-                memo[key] = (None, storage.cpu() if t.device.type != "cpu" else storage.clone())
-            copy = torch.empty(0, dtype=t.dtype).set_(memo[key][1], t.storage_offset(), t.size(), t.stride())
-    elif isinstance(obj, dict):
-        copy = type(obj)((k, _to_host(v, memo)) for k, v in obj.items())
-    elif isinstance(obj, list):
-        copy = [_to_host(v, memo) for v in obj]
-    elif isinstance(obj, tuple):
-        items = [_to_host(v, memo) for v in obj]
-        if all(a is b for a, b in zip(items, obj)):
-            copy = obj  # immutable and holds no tensor: the object itself
-        else:
-            copy = type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
-    else:
-        return obj
-    memo[id(obj)] = (obj, copy)  # keeps obj alive so that its id is not reused
-    return copy
+def _to_host(obj: Any) -> Any:
+    """A host copy of `obj` with sharing kept (see HostStaging), in fresh buffers."""
+    return HostStaging().copy(obj)
 
 
 def checkpoint_dir(output_dir: str, step: int) -> str:
@@ -351,27 +169,50 @@ def checkpoint_dir(output_dir: str, step: int) -> str:
 
 
 class CheckpointWriter:
-    """Writes checkpoints atomically, optionally in a background thread (save_async).
+    """Writes checkpoints atomically, optionally in the background (save_async).
 
-    In distributed runs every rank writes its own files into the shared temporary directory; after
-    a barrier rank 0 writes the manifest and renames. `barrier` is the strategy's barrier.
+    An asynchronous save copies the state into reused host buffers at the step boundary (the only
+    part the step waits for) and writes from them, file after file, on a background thread at lower
+    CPU priority; a synchronous save writes its files concurrently. A
+    save that arrives while one is still being written waits for it (async_policy "wait"), or, when
+    the caller asks `should_skip()` first (async_policy "skip"), is dropped. In distributed runs every
+    rank writes its own files into the shared temporary directory; after a barrier rank 0 writes the
+    manifest and renames. `barrier` is the strategy's barrier.
     """
 
     def __init__(self, output_dir: str, *, rank: int = 0, world_size: int = 1, strategy: str = "single",
                  barrier: Callable[[], None] = lambda: None, save_async: bool = False,
-                 max_shard_bytes: int | None = None):
+                 max_shard_bytes: int | None = None, async_policy: str = "wait"):
+        if async_policy not in ASYNC_POLICIES:
+            raise ValueError(f"save_async_policy: {async_policy!r} is not one of {', '.join(map(repr, ASYNC_POLICIES))}")
         self.output_dir = output_dir
         self.rank, self.world_size, self.strategy = rank, world_size, strategy
         self.barrier = barrier
         self.max_shard_bytes = max_shard_bytes
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="raytrain-ckpt") if save_async else None
+        self.async_policy = async_policy
+        background = save_async and world_size == 1  # distributed saves stay synchronous (see save)
+        init = lower_thread_priority if background else None
+        self._pool = ThreadPoolExecutor(1, "raytrain-ckpt", initializer=init) if background else None
+        # A synchronous save writes weights, optimizer and small files at once (the step waits for the
+        # slowest); a background one writes them one after another, so it takes at most one core from training.
+        self._io = ThreadPoolExecutor(1 if background else 3, "raytrain-ckpt-io", initializer=init)
+        self._staging = HostStaging()
         self._pending: Future | None = None
+
+    def in_flight(self) -> bool:
+        """A background save is still being written."""
+        return self._pending is not None and not self._pending.done()
+
+    def should_skip(self, must_save: bool = False) -> bool:
+        """async_policy "skip": True while a background save is in flight, unless `must_save` (the
+        run's last checkpoint, or its best)."""
+        return self.async_policy == "skip" and not must_save and self.in_flight()
 
     def save(self, step: int, payload: CheckpointPayload, after: Callable[[str], None] | None = None) -> str:
         """Write checkpoint-{step}; with save_async, return once the state is copied to host memory
         (the write and `after` then run in the background). `after(path)` runs on rank 0 once the
         checkpoint is complete (rotation)."""
-        self.wait()
+        self.wait()  # one save at a time: its temporary directory and host buffers are the next one's
         final = checkpoint_dir(self.output_dir, step)
         tmp = os.path.join(self.output_dir, f".tmp-{PREFIX}-{step}")
         if self.rank == 0:
@@ -381,15 +222,15 @@ class CheckpointWriter:
         if payload.sharded_writer is not None:
             payload.sharded_writer(tmp)
         if payload.extra_files is not None and self.rank == 0:
-            payload.extra_files(tmp)  # hashed into the manifest when the checkpoint is sealed
-        if self._pool is None or self.world_size > 1:
+            payload.extra_files(tmp)  # checksummed into the manifest when the checkpoint is sealed
+        if self._pool is None:
             # Distributed saves stay synchronous: the rename needs a barrier on the main thread.
             self._write(step, tmp, final, payload, after)
         else:
-            memo: dict = {}
-            host = CheckpointPayload(_to_host(payload.weights, memo), _to_host(payload.pickles, memo),
-                                     _to_host(payload.jsons, memo))
-            self._pending = self._pool.submit(self._write, step, tmp, final, host, after)
+            copy = self._staging.copy  # one pass, so tensors shared between the parts stay shared
+            weights, pickles, jsons = copy((payload.weights, payload.pickles, payload.jsons))
+            host = CheckpointPayload(weights, pickles, jsons)
+            self._pending = self._pool.submit(self._write, step, tmp, final, host, after, self._staging.ready)
         return final
 
     def wait(self) -> None:
@@ -407,16 +248,12 @@ class CheckpointWriter:
         finally:
             if self._pool is not None:
                 self._pool.shutdown()
+            self._io.shutdown()
 
-    def _write(self, step: int, tmp: str, final: str, payload: CheckpointPayload, after=None) -> None:
-        entries: dict[str, dict] = {}
-        parallel = self._pool is None  # a background save hashes inline: fewer threads taking CPU
-        if payload.weights is not None:
-            entries.update(_write_weights(payload.weights, tmp, self.max_shard_bytes, parallel=parallel))
-        for name, obj in payload.pickles.items():
-            entries[name] = _save_pickle(obj, os.path.join(tmp, name), parallel)
-        for name, obj in payload.jsons.items():
-            entries[name] = _write_json(obj, os.path.join(tmp, name))
+    def _write(self, step: int, tmp: str, final: str, payload: CheckpointPayload, after=None, ready=None) -> None:
+        if ready is not None:
+            ready()  # device-to-host copies have landed
+        entries = self._write_files(tmp, payload)
         _maybe_pause(tmp, step)
         self.barrier()
         if self.rank == 0:
@@ -425,8 +262,26 @@ class CheckpointWriter:
                 after(final)
         self.barrier()
 
+    def _write_files(self, tmp: str, payload: CheckpointPayload) -> dict[str, dict]:
+        """Every file of this rank, concurrently, largest first; {file: manifest entry}. Waits for all
+        of them even when one fails, so that nothing still writes into `tmp` when the error surfaces."""
+        join = os.path.join
+        jobs: list[Callable[[], dict]] = []
+        for name, obj in sorted(payload.pickles.items(), key=lambda kv: kv[0] != "optimizer.pt"):
+            jobs.append(lambda name=name, obj=obj: {name: save_pickle(obj, join(tmp, name))})
+        if payload.weights is not None:
+            jobs.insert(1, lambda: _write_weights(payload.weights, tmp, self.max_shard_bytes))
+        if payload.jsons:
+            jobs.append(lambda: {name: write_json(obj, join(tmp, name)) for name, obj in payload.jsons.items()})
+        futures = [self._io.submit(job) for job in jobs]
+        wait(futures)
+        entries: dict[str, dict] = {}
+        for f in futures:
+            entries.update(f.result())
+        return entries
+
     def _seal(self, step: int, tmp: str, final: str, entries: dict[str, dict]) -> None:
-        """Write the manifest (files hashed while written are not read again), then rename."""
+        """Write the manifest (files checksummed while written are not read again), then rename."""
         files = {}
         for root, _, names in os.walk(tmp):
             for name in names:
@@ -434,14 +289,14 @@ class CheckpointWriter:
                 rel = os.path.relpath(path, tmp)
                 entry = entries.get(rel)
                 if entry is None or entry["size"] != os.path.getsize(path):
-                    with open(path, "rb+") as f:  # written by another rank or a backend
-                        os.fsync(f.fileno())
-                    entry = {"size": os.path.getsize(path), "sha256": sha256_file(path)}
+                    with open(path, "rb") as f:  # written by another rank or a backend
+                        fsync_file(f.fileno())
+                    entry = {"size": os.path.getsize(path), CHECKSUM: file_checksum(path)}
                 files[rel] = entry
-        manifest = {"format_version": FORMAT_VERSION, "global_step": step, "world_size": self.world_size,
-                    "strategy": self.strategy, "files": dict(sorted(files.items()))}
-        _write_json(manifest, os.path.join(tmp, MANIFEST))
-        _fsync_dir(tmp)
+        manifest = {"format_version": FORMAT_VERSION, "checksum": CHECKSUM, "global_step": step,
+                    "world_size": self.world_size, "strategy": self.strategy, "files": dict(sorted(files.items()))}
+        write_json(manifest, os.path.join(tmp, MANIFEST))
+        fsync_dir(tmp)
         if os.path.exists(final):
             # Only reached when a step is saved again (a re-run over an old output_dir): move the old
             # one aside first, so that a crash between the renames leaves a complete copy behind.
@@ -452,7 +307,7 @@ class CheckpointWriter:
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.rename(tmp, final)
-        _fsync_dir(self.output_dir)
+        fsync_dir(self.output_dir)
 
 
 def _remove_stale_temporaries(output_dir: str) -> None:
@@ -503,10 +358,11 @@ def weights_resaved_elsewhere(path: str) -> bool:
 
 
 def verify_checkpoint(path: str, ignore_weights: bool = False) -> dict:
-    """Check a checkpoint against its manifest (every file present, same size, same sha256, json
+    """Check a checkpoint against its manifest (every file present, same size, same checksum, json
     parsable; weights and trainer_state.json included); return the manifest or raise a
-    CheckpointError naming the bad file and the reason. ignore_weights skips the weights files (for
-    a checkpoint whose weights were re-saved, e.g. by save_pretrained, and are checked by loading)."""
+    CheckpointError naming the bad file and the reason. Each entry names its algorithm (xxh3_128;
+    sha256 in checkpoints of format 1). ignore_weights skips the weights files (for a checkpoint
+    whose weights were re-saved, e.g. by save_pretrained, and are checked by loading)."""
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: not a checkpoint directory (it does not exist or is a file)")
     mpath = os.path.join(path, MANIFEST)
@@ -518,7 +374,7 @@ def verify_checkpoint(path: str, ignore_weights: bool = False) -> dict:
         files = manifest["files"]
         version = manifest["format_version"]
         if not isinstance(files, dict) or not all(isinstance(m, dict) for m in files.values()):
-            raise TypeError("'files' is not a mapping of file -> {size, sha256}")
+            raise TypeError("'files' is not a mapping of file -> {size, checksum}")
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"{mpath}: unparsable manifest ({type(e).__name__}: {e})") from e
     if not isinstance(version, int) or version > FORMAT_VERSION:
@@ -527,7 +383,8 @@ def verify_checkpoint(path: str, ignore_weights: bool = False) -> dict:
     for required in (WEIGHTS if WEIGHTS_INDEX not in files else WEIGHTS_INDEX, TRAINER_STATE):
         if required not in files and not (ignore_weights and is_weights_file(required)):
             raise CheckpointError(f"{os.path.join(path, required)}: missing (not in the manifest)")
-    for rel, meta in files.items():
+    checks = []
+    for rel, meta in files.items():  # every name and size first: cheap, and names the obvious damage
         if ignore_weights and is_weights_file(rel):
             continue
         fpath = os.path.join(path, rel)
@@ -536,8 +393,17 @@ def verify_checkpoint(path: str, ignore_weights: bool = False) -> dict:
         size = os.path.getsize(fpath)
         if size != meta.get("size"):
             raise CheckpointError(f"{fpath}: size {size} bytes, the manifest says {meta.get('size')} (truncated?)")
-        if sha256_file(fpath) != meta.get("sha256"):
-            raise CheckpointError(f"{fpath}: sha256 mismatch with the manifest (corrupted)")
+        algorithm = next((a for a in ALGORITHMS if a in meta), None)
+        if algorithm is None:
+            raise CheckpointError(f"{mpath}: the entry of {rel} has no checksum this raytrain knows "
+                                  f"(expected one of {', '.join(ALGORITHMS)})")
+        checks.append((rel, fpath, algorithm, meta[algorithm]))
+    # Files are checksummed concurrently (the hash releases the GIL); the first bad one in manifest order is named.
+    with ThreadPoolExecutor(min(4, len(checks) or 1), "raytrain-verify") as pool:
+        sums = list(pool.map(lambda c: file_checksum(c[1], c[2]), checks))
+    for (rel, fpath, algorithm, expected), actual in zip(checks, sums):
+        if actual != expected:
+            raise CheckpointError(f"{fpath}: {algorithm} checksum mismatch with the manifest (corrupted)")
         if rel.endswith(".json"):
             try:
                 with open(fpath) as f:

@@ -158,7 +158,7 @@ def _setup(trainer) -> _Run:
             os.makedirs(args.output_dir, exist_ok=True)
         writer = ckpt.CheckpointWriter(args.output_dir, rank=strategy.rank, world_size=strategy.world_size,
                                        strategy=strategy.name, barrier=strategy.barrier,
-                                       save_async=args.save_async)
+                                       save_async=args.save_async, async_policy=args.save_async_policy)
     return _Run(trainer, strategy, data, steps_per_epoch, n_batches, writer=writer,
                 tr_loss=torch.zeros((), device=strategy.device))
 
@@ -294,6 +294,8 @@ def _log_evaluate_save(run: _Run, trial, epoch_finished: bool = False) -> None:
         if trainer.args.save_strategy == "best":
             control.should_save = state.best_global_step == state.global_step
     saved = None
+    if trainer.control.should_save and _skip_save(run):
+        trainer.control.should_save = False
     if trainer.control.should_save:
         saved = _save(run, epoch_finished)
         trainer.control = trainer.callback_handler.on_save(trainer.args, state, trainer.control)
@@ -301,6 +303,14 @@ def _log_evaluate_save(run: _Run, trial, epoch_finished: bool = False) -> None:
         if saved and run.writer is not None:
             run.writer.wait()  # a search scheduler (PBT) may restore this checkpoint at once
         trainer._report_to_trial(trial, metrics, saved)
+
+
+def _skip_save(run: _Run) -> bool:
+    """save_async_policy "skip": drop this save while the previous one is still being written; the
+    run's last save and a new best are always written (after waiting)."""
+    state, control = run.trainer.state, run.trainer.control
+    must = control.should_training_stop or state.best_global_step == state.global_step
+    return run.writer is not None and run.writer.should_skip(must_save=must)
 
 
 def _update_best(trainer, metrics: dict) -> None:

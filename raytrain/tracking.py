@@ -209,7 +209,7 @@ def log_final(mlflow_client, run_id: str, args, model_dir: str | None, best_chec
     mlflow_client.log_text(run_id, yaml.safe_dump(redact(args.to_dict()), sort_keys=False), "config.yaml")
     if model_dir:
         _log_dir(mlflow_client, run_id, model_dir, "model")
-    if best_checkpoint and getattr(args, "mlflow_log_best_checkpoint", False):
+    if best_checkpoint and args.mlflow_log_best_checkpoint:
         _log_dir(mlflow_client, run_id, best_checkpoint, "best_checkpoint")
 
 

@@ -17,11 +17,13 @@ import time
 import numpy as np
 import pytest
 import torch
+import xxhash
 from safetensors.torch import load_file
 
 from examples.digits import build_model
 from raytrain import CheckpointError, Trainer, TrainingArguments, get_last_checkpoint
 from raytrain import checkpoint as ckpt
+from raytrain import checkpoint_io
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -64,8 +66,13 @@ def sha256(path) -> str:
     return hashlib.sha256(open(path, "rb").read()).hexdigest()
 
 
+def xxh3(path) -> str:
+    return xxhash.xxh3_128(open(path, "rb").read()).hexdigest()
+
+
 def rewrite_manifest(path) -> None:
-    """Make the manifest agree with the files again (as an attacker or a careless copy would)."""
+    """Make the manifest agree with the files again (as an attacker or a careless copy would), in
+    the sha256 entries of format 1."""
     mpath = os.path.join(path, "manifest.json")
     manifest = json.load(open(mpath))
     manifest["files"] = {rel: {"size": os.path.getsize(os.path.join(path, rel)), "sha256": sha256(os.path.join(path, rel))}
@@ -85,10 +92,11 @@ def test_layout_manifest_and_contents(tmp_path):
 
     manifest = json.load(open(path / "manifest.json"))
     assert {k: manifest[k] for k in ("format_version", "global_step", "world_size", "strategy")} == \
-        {"format_version": 1, "global_step": 4, "world_size": 1, "strategy": "single"}
+        {"format_version": 2, "global_step": 4, "world_size": 1, "strategy": "single"}
+    assert manifest["checksum"] == "xxh3_128"  # the algorithm is named, and each entry is keyed by it
     assert set(manifest["files"]) == FILES - {"manifest.json"}
     for rel, meta in manifest["files"].items():
-        assert meta == {"size": os.path.getsize(path / rel), "sha256": sha256(path / rel)}, rel
+        assert meta == {"size": os.path.getsize(path / rel), "xxh3_128": xxh3(path / rel)}, rel
     newest_other = max(os.stat(path / rel).st_mtime_ns for rel in manifest["files"])
     assert os.stat(path / "manifest.json").st_mtime_ns >= newest_other  # written last
 
@@ -155,17 +163,21 @@ def test_tied_weights_round_trip_and_host_copy_keeps_them_tied(tmp_path):
 # ---------------------------------------------------------------- atomic, even under SIGKILL
 
 
-def _subprocess_main(out: str, threads: int) -> None:
+def _subprocess_main(out: str, threads: int, save_async: bool = False) -> None:
     """Entry point of the process the SIGKILL test kills (imported by a fresh interpreter). CPU
     reductions split over another number of threads round differently: use the test's count."""
     torch.set_num_threads(threads)
-    make_trainer(out, max_steps=9, save_steps=3).train()
+    make_trainer(out, max_steps=9, save_steps=3, save_async=save_async).train()
 
 
-def test_sigkill_during_save_leaves_previous_checkpoint_and_resume_is_bit_exact(tmp_path):
+@pytest.mark.parametrize("save_async", [False, True], ids=["sync", "async"])
+def test_sigkill_during_save_leaves_previous_checkpoint_and_resume_is_bit_exact(tmp_path, save_async):
+    """async: the kill lands while the background thread writes step 6 (the training thread has gone
+    on, and waits for that write at the save of step 9)."""
     out, flag = tmp_path / "run", tmp_path / "paused"
     env = {**os.environ, ckpt.PAUSE_ENV: f"{flag}@6", "PYTHONPATH": os.pathsep.join([ROOT, TESTS])}
-    code = f"from test_checkpoint import _subprocess_main; _subprocess_main({str(out)!r}, {torch.get_num_threads()})"
+    code = (f"from test_checkpoint import _subprocess_main; "
+            f"_subprocess_main({str(out)!r}, {torch.get_num_threads()}, {save_async})")
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
@@ -263,7 +275,7 @@ def _flip(path):
 
 CORRUPTIONS = {
     "truncated_weights": (_truncate, "model.safetensors", "truncated"),
-    "flipped_optimizer_byte": (_flip, "optimizer.pt", "sha256 mismatch"),
+    "flipped_optimizer_byte": (_flip, "optimizer.pt", "xxh3_128 checksum mismatch"),
     "deleted_trainer_state": (lambda p: os.remove(p / "trainer_state.json"), "trainer_state.json", "missing"),
     "deleted_manifest": (lambda p: os.remove(p / "manifest.json"), "manifest.json", "never completed"),
     "garbage_manifest": (lambda p: (p / "manifest.json").write_text("{not json"), "manifest.json", "unparsable"),
@@ -339,7 +351,7 @@ def test_newer_format_version_is_refused(tmp_path, three_checkpoints):
     manifest = json.load(open(mpath))
     manifest["format_version"] = ckpt.FORMAT_VERSION + 1
     json.dump(manifest, open(mpath, "w"))
-    with pytest.raises(CheckpointError, match="format_version 2 is newer"):
+    with pytest.raises(CheckpointError, match="format_version 3 is newer"):
         ckpt.verify_checkpoint(str(out / "checkpoint-6"))
 
 
@@ -417,10 +429,10 @@ def test_torch_save_is_byte_deterministic_through_the_writer(tmp_path):
     exp_avg = torch.randn(4, 4)
     opt_state = {"state": {0: {"step": torch.tensor(3.0), "exp_avg": exp_avg, "view": exp_avg[1:]}},
                  "param_groups": [{"lr": 0.1, "betas": betas, "params": [0]}, {"betas": betas, "params": []}]}
-    a = ckpt._save_pickle(opt_state, str(tmp_path / "a.pt"))
-    b = ckpt._save_pickle(ckpt._to_host(opt_state), str(tmp_path / "b.pt"))
+    a = checkpoint_io.save_pickle(opt_state, str(tmp_path / "a.pt"))
+    b = checkpoint_io.save_pickle(ckpt._to_host(opt_state), str(tmp_path / "b.pt"))
     assert a == b and open(tmp_path / "a.pt", "rb").read() == open(tmp_path / "b.pt", "rb").read()
-    assert a["sha256"] == sha256(tmp_path / "a.pt")
+    assert a["xxh3_128"] == xxh3(tmp_path / "a.pt")
 
 
 def test_async_write_failure_surfaces_from_train(tmp_path, monkeypatch):
