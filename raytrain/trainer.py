@@ -95,6 +95,7 @@ class Trainer:
             set_seed(self.args.seed, self.args.full_determinism)
             self.model = self.call_model_init(trial)
             self.optimizer = self.lr_scheduler = None
+            self.__dict__.pop("_model_flops", None)
         self._start_memory_tracking("train")
         if not self.args.auto_find_batch_size:
             return loop.train(self, resume_from_checkpoint, trial)
@@ -391,10 +392,11 @@ class Trainer:
     def floating_point_ops(self, inputs: dict) -> float:
         """HF's estimate: 6 x parameters x tokens (or samples) per training step."""
         model = self.model
-        if hasattr(model, "floating_point_ops"):
-            return model.floating_point_ops(inputs)
-        if not hasattr(self, "_num_params"):
+        if "_model_flops" not in self.__dict__:  # looked up once: a failed Module attribute lookup is slow
+            self._model_flops = getattr(model, "floating_point_ops", None)
             self._num_params = sum(p.numel() for p in model.parameters())
+        if self._model_flops is not None:
+            return self._model_flops(inputs)
         ids = inputs.get("input_ids")
         n = ids.numel() if ids is not None else next(iter(inputs.values())).shape[0]
         return 6.0 * self._num_params * n
