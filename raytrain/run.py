@@ -36,7 +36,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", default="auto",
                    help="auto: continue the newest valid checkpoint in output_dir if any (default); "
                         "never: start fresh (fails if output_dir has checkpoints); or a checkpoint path")
-    p.add_argument("--search", default=None, help="YAML search space: run a hyperparameter search instead")
+    p.add_argument("--search", default=None, help="YAML search space: run a hyperparameter search instead "
+                                                  "(--resume auto continues the sweep of the same name)")
     return p
 
 
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         job = build_job(args)
         if ns.search:
             from .tune import run_search_cli
-            return run_search_cli(args, job, ns.search)
+            return run_search_cli(args, job, ns.search, resume)
         from .trainer import Trainer
         trainer = Trainer(args=args, **job)
     except (ConfigError, FileNotFoundError, FileExistsError) as e:
