@@ -181,6 +181,7 @@ def _run_trial(config: dict[str, Any], spec: dict[str, Any], trial_dir: str) -> 
     trainer._trial_params = dict(config)
     resume, cloned = _resume_point(trial_dir)
     if cloned:
+        logger.warning("PBT: continuing from %s with learning_rate=%r", resume, args.learning_rate)
         trainer.add_callback(_RestoreTrialParams(args))
     n = len(spec["directions"])
     if args.scaling.num_workers > 1:

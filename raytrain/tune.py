@@ -88,8 +88,6 @@ def _sampler(name: str, seed: int | None):
                 "random": lambda: optuna.samplers.RandomSampler(seed=seed),
                 "cmaes": lambda: optuna.samplers.CmaEsSampler(seed=seed),
                 "qmc": lambda: optuna.samplers.QMCSampler(seed=seed)}
-    if name not in samplers:
-        raise ConfigError(f"sampler: must be one of {', '.join(SAMPLERS)}, got {name!r}")
     return samplers[name]()
 
 
@@ -112,7 +110,9 @@ def _scheduler(name: str | None, mutations: dict | None, kwargs: dict):
     raise ConfigError(f"scheduler: must be one of {', '.join(SCHEDULERS)}, got {name!r}")
 
 
-def _check(trainer, space, directions: list[str], scheduler: str | None) -> None:
+def _check(trainer, space, directions: list[str], scheduler: str | None, sampler: str) -> None:
+    if sampler not in SAMPLERS:
+        raise ConfigError(f"sampler: must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
     if trainer.model_init is None:
         raise ValueError("hyperparameter_search needs a Trainer built with model_init (one model per trial)")
     bad = [d for d in directions if d not in ("minimize", "maximize")]
@@ -186,7 +186,7 @@ def hyperparameter_search(trainer, hp_space=None, compute_objective: Callable | 
 
     directions = list(direction) if isinstance(direction, (list, tuple)) else [direction]
     space = _space(hp_space)
-    _check(trainer, space, directions, scheduler)
+    _check(trainer, space, directions, scheduler, sampler)
     modes = ["min" if d == "minimize" else "max" for d in directions]
     keys = ["objective"] if len(modes) == 1 else [f"objective_{i}" for i in range(len(modes))]
     if compute_objective is None:
@@ -228,7 +228,7 @@ def hyperparameter_search(trainer, hp_space=None, compute_objective: Callable | 
         tuner = tune.Tuner.restore(sweep_dir, trainable, resume_unfinished=True, resume_errored=False)
     else:
         tuner = _new_tuner(trainable, space, modes, keys, n_trials, scheduler, scheduler_kwargs, max_concurrent,
-                           seed, sampler, root, name, sweep_dir, show_trial_logs, callbacks, trial_dirname)
+                           seed, sampler, root, name, sweep_dir, callbacks, trial_dirname)
     quiet = logging.getLogger("ray.tune")
     level = quiet.level
     quiet.setLevel(logging.WARNING)  # "Wrote the latest version of all result files ..."
@@ -252,7 +252,7 @@ def _restoring(sweep_dir: str, resume: bool | str) -> bool:
 
 
 def _new_tuner(trainable, space, modes, keys, n_trials, scheduler, scheduler_kwargs, max_concurrent, seed,
-               sampler, root, name, sweep_dir, show_trial_logs, callbacks, trial_dirname):
+               sampler, root, name, sweep_dir, callbacks, trial_dirname):
     import optuna
     from ray import tune
 
