@@ -273,7 +273,7 @@ def _new_tuner(trainable, space, modes, keys, n_trials, scheduler, scheduler_kwa
             search_alg=search_alg, scheduler=_scheduler(scheduler, mutations, scheduler_kwargs or {}),
             max_concurrent_trials=max_concurrent, trial_dirname_creator=trial_dirname),
         run_config=tune.RunConfig(name=name, storage_path=root, verbose=0, callbacks=callbacks,
-                                  checkpoint_config=tune.CheckpointConfig(num_to_keep=2)),
+                                  ),
     )
 
 
