@@ -28,6 +28,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["BestRun", "hyperparameter_search", "load_search_spec", "space_from_spec", "run_search_cli"]
 
+_DRIVER_CPU = 0.01  # a distributed trial's function only waits on its TorchTrainer
 SCHEDULERS = ("asha", "hyperband", "median", "pbt", "none")
 SAMPLERS = ("tpe", "random", "cmaes", "qmc")
 
@@ -161,11 +162,15 @@ def _resources(args: TrainingArguments, resources_per_trial: dict | None, max_co
         per = resources_per_trial or scaling.resources_per_worker or {"CPU": 1, "GPU": int(scaling.use_gpu)}
         return {k.lower(): v for k, v in per.items() if v}, max_concurrent
     per_worker = scaling.resources_per_worker or {"CPU": 1, "GPU": int(scaling.use_gpu)}
+    driver = resources_per_trial or {"cpu": _DRIVER_CPU}  # Tune refuses an empty request
     if max_concurrent is None:
         total = ray.cluster_resources()
-        fits = [int(total.get(k, 0) // (v * scaling.num_workers)) for k, v in per_worker.items() if v]
+        need = {k.upper(): v * scaling.num_workers for k, v in per_worker.items() if v}
+        for k, v in driver.items():
+            need[k.upper()] = need.get(k.upper(), 0) + v
+        fits = [int(total.get(k, 0) // v) for k, v in need.items() if v]
         max_concurrent = max(1, min(fits)) if fits else 1
-    return (resources_per_trial or {"cpu": 0}), max_concurrent
+    return driver, max_concurrent
 
 
 def hyperparameter_search(trainer, hp_space=None, compute_objective: Callable | None = None, n_trials: int = 20,
