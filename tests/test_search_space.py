@@ -36,7 +36,7 @@ def test_bad_spaces_get_one_line(space, message):
 def test_search_file_errors(tmp_path):
     bad = tmp_path / "s.yaml"
     bad.write_text("metrc: eval_loss\nspace: {learning_rate: {uniform: [0, 1]}}\n")
-    with pytest.raises(ConfigError, match=r"s.yaml: unknown key\(s\) \['metrc'\] \(valid: direction, "):
+    with pytest.raises(ConfigError, match=r"s.yaml: unknown key\(s\) \['metrc'\] \(valid: max_concurrent_trials, metric, mode, "):
         load_search_spec(str(bad))
     bad.write_text("mode: maximize\nspace: {learning_rate: {uniform: [0, 1]}}\n")
     with pytest.raises(ConfigError, match="mode must be min or max"):
