@@ -94,7 +94,18 @@ class _Reporter(TrainerCallback):
 
 class _WorkerReporter(_Reporter):
     """In a Ray Train worker of a distributed trial: every rank reports (Ray Train requires it);
-    the trial's _ToTune callback forwards rank 0's result to Tune."""
+    the trial's _ToTune callback forwards rank 0's result to Tune. It carries the trial's MLflow
+    variables (its child run) to the workers, which do not inherit the trial's environment."""
+
+    _ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID")
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.env = {k: os.environ[k] for k in self._ENV if k in os.environ}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        os.environ.update(self.env)  # unpickled on the worker before MLflowCallback starts its run
 
     def report(self, metrics: dict, step: int, checkpoint_dir: str | None = None) -> None:
         import ray.train

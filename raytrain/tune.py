@@ -276,7 +276,8 @@ def _new_tuner(trainable, space, modes, keys, n_trials, scheduler, scheduler_kwa
         tune_config=tune.TuneConfig(
             metric="objective" if single else None, mode=modes[0] if single else None, num_samples=n_trials,
             search_alg=search_alg, scheduler=_scheduler(scheduler, mutations, scheduler_kwargs or {}),
-            max_concurrent_trials=max_concurrent, trial_dirname_creator=trial_dirname),
+            max_concurrent_trials=max_concurrent, trial_dirname_creator=trial_dirname,
+            reuse_actors=True),  # a warm process per trial slot: no Ray worker start-up per trial
         run_config=tune.RunConfig(name=name, storage_path=root, verbose=0, callbacks=callbacks,
                                   ),
     )
