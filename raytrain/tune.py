@@ -199,7 +199,10 @@ def hyperparameter_search(trainer, hp_space=None, compute_objective: Callable | 
 
     name = name or trainer.args.run_name or "sweep"
     root = storage_path or os.path.join(trainer.args.output_dir, "sweeps")
-    root = root if "://" in root else os.path.abspath(os.path.expanduser(root))
+    if "://" in root:
+        raise ValueError(f"storage_path: {root!r}: a sweep writes trial checkpoints with local file I/O; give a "
+                         "path every node sees (a shared filesystem), not a URI")
+    root = os.path.abspath(os.path.expanduser(root))
     sweep_dir = os.path.join(root, name)
     restoring = _restoring(sweep_dir, resume)
     os.makedirs(sweep_dir, exist_ok=True)

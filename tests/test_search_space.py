@@ -90,4 +90,6 @@ def test_pbt_refuses_architecture_keys_before_the_sweep(tmp_path):
                                       direction=["minimize", "maximize"], scheduler="asha")
     with pytest.raises(ConfigError, match="sampler: must be one of tpe, random, cmaes, qmc, got 'grid'"):
         trainer.hyperparameter_search({"learning_rate": {"uniform": [0.001, 0.01]}}, sampler="grid")
+    with pytest.raises(ValueError, match="storage_path: 's3://bucket/sweeps': a sweep writes trial checkpoints"):
+        trainer.hyperparameter_search({"learning_rate": {"uniform": [0.001, 0.01]}}, storage_path="s3://bucket/sweeps")
     assert not (tmp_path / "sweeps").exists()  # refused before anything was written
