@@ -13,7 +13,6 @@ import contextlib
 import copy
 import json
 import logging
-import math
 import os
 import traceback
 from typing import Any, Callable
@@ -256,7 +255,3 @@ def _call_model_init(model_init: Callable, config: dict[str, Any]):
     if any(p.kind is p.VAR_KEYWORD for p in params):
         return model_init(**{k.split(".", 1)[1]: v for k, v in config.items() if k.startswith("model.")})
     return model_init(config) if len(params) == 1 else model_init()
-
-
-def is_finite(x: Any) -> bool:
-    return isinstance(x, (int, float)) and math.isfinite(x)

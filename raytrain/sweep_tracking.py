@@ -79,8 +79,6 @@ class SweepTracker:
 
 def start_child_run(info: dict, trial_id: str, params: dict) -> str:
     """In the trial: open (or, after a restore, reopen) its child run and point MLflowCallback at it."""
-    from mlflow.tracking import MlflowClient
-
     tracker = SweepTracker(info["uri"], info["experiment_id"], info["parent_id"])
     client, run = tracker._child(trial_id)
     if run is None:

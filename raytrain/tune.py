@@ -182,7 +182,6 @@ def hyperparameter_search(trainer, hp_space=None, compute_objective: Callable | 
     """Search hyperparameters of `trainer` (built with model_init). Returns a BestRun, or for several
     directions the Pareto front as a list of BestRun. resume=True continues the sweep of the same
     name (an error if there is none), "auto" continues it if it exists; False refuses to overwrite one."""
-    import ray
     from ray import tune
 
     from . import sweep_report
