@@ -82,10 +82,13 @@ def _search_class():
     return _Search
 
 
-def _sampler(name: str, seed: int | None):
+def _sampler(name: str, seed: int | None, n_trials: int):
     import optuna
 
-    samplers = {"tpe": lambda: optuna.samplers.TPESampler(seed=seed),
+    # TPE samples at random for its first n_startup_trials (Optuna: 10): in a sweep of 8 it never
+    # would model anything. A third of the sweep, 2 to 10 trials, explores first.
+    startup = min(10, max(2, n_trials // 3))
+    samplers = {"tpe": lambda: optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup),
                 "random": lambda: optuna.samplers.RandomSampler(seed=seed),
                 "cmaes": lambda: optuna.samplers.CmaEsSampler(seed=seed),
                 "qmc": lambda: optuna.samplers.QMCSampler(seed=seed)}
@@ -272,7 +275,7 @@ def _new_tuner(trainable, space, modes, keys, n_trials, scheduler, scheduler_kwa
         storage = optuna.storages.RDBStorage(f"sqlite:///{os.path.join(sweep_dir, 'optuna.db')}")
         search_alg = _search_class()(space=space if isinstance(space, SearchSpace) else None,
                                      metric=keys[0] if single else keys, mode=modes[0] if single else modes,
-                                     sampler=_sampler(sampler, seed), study_name=name, storage=storage)
+                                     sampler=_sampler(sampler, seed, n_trials), study_name=name, storage=storage)
     return tune.Tuner(
         trainable, param_space=param_space,
         tune_config=tune.TuneConfig(
