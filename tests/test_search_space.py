@@ -93,3 +93,29 @@ def test_pbt_refuses_architecture_keys_before_the_sweep(tmp_path):
     with pytest.raises(ValueError, match="storage_path: 's3://bucket/sweeps': a sweep writes trial checkpoints"):
         trainer.hyperparameter_search({"learning_rate": {"uniform": [0.001, 0.01]}}, storage_path="s3://bucket/sweeps")
     assert not (tmp_path / "sweeps").exists()  # refused before anything was written
+
+
+def test_schedulers_and_samplers_by_name():
+    import optuna
+    from ray.tune import schedulers as s
+
+    from raytrain.tune import _sampler, _scheduler
+
+    assert _scheduler("none", None, {}) is None
+    assert isinstance(_scheduler("asha", None, {}), s.AsyncHyperBandScheduler)
+    assert isinstance(_scheduler("hyperband", None, {"brackets": 2}), s.AsyncHyperBandScheduler)
+    assert isinstance(_scheduler("median", None, {}), s.MedianStoppingRule)
+    assert isinstance(_scheduler("pbt", {"learning_rate": [1e-3, 1e-2]}, {}), s.PopulationBasedTraining)
+    kinds = {"tpe": optuna.samplers.TPESampler, "random": optuna.samplers.RandomSampler,
+             "cmaes": optuna.samplers.CmaEsSampler, "qmc": optuna.samplers.QMCSampler}
+    for name, cls in kinds.items():
+        assert isinstance(_sampler(name, 0, 12), cls)
+    # Seeded: the same seed gives the same first suggestions.
+    space = space_from_spec({"learning_rate": {"loguniform": [1e-4, 1e-2]}})
+    firsts = []
+    for _ in range(2):
+        study = optuna.create_study(sampler=_sampler("tpe", 7, 12))
+        trial = study.ask()
+        space(trial)
+        firsts.append(trial.params["learning_rate"])
+    assert firsts[0] == firsts[1]
