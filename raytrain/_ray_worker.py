@@ -129,7 +129,8 @@ def train_loop_per_worker(config: dict) -> dict | None:
     set_seed(trainer.args.seed, trainer.args.full_determinism)  # as Trainer.__init__ did on the driver
     strategy = trainer._get_strategy()  # rank and world from torch.distributed, set up by TorchTrainer
     preemption = PreemptionCallback(strategy)
-    trainer.add_callback(RayReportCallback(strategy.rank))
+    trial = config.get("trial")  # a sweep trial's reporter (raytrain.tune) reports evaluations instead
+    trainer.add_callback(trial if trial is not None else RayReportCallback(strategy.rank))
     trainer.add_callback(preemption)
 
     reported = ray.train.get_checkpoint()
@@ -138,7 +139,7 @@ def train_loop_per_worker(config: dict) -> dict | None:
     try:
         with reported.as_directory() if reported is not None else contextlib.nullcontext() as ray_path:
             resume = _resume_point(strategy, trainer.args.output_dir, config, ray_path)
-            out = loop.train(trainer, resume)
+            out = loop.train(trainer, resume, trial)
     finally:
         _training_active.clear()
     if preemption.triggered_at is not None and out.global_step < trainer.state.max_steps:

@@ -48,7 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", default="auto",
                    help="auto: continue the newest valid checkpoint in output_dir if any (default); "
                         "never: start fresh (fails if output_dir has checkpoints); or a checkpoint path")
-    p.add_argument("--search", default=None, help="YAML search space: run a hyperparameter search instead")
+    p.add_argument("--search", default=None, help="YAML search space: run a hyperparameter search instead "
+                                                  "(--resume auto continues the sweep of the same name)")
     p.add_argument("--debug", action="store_true", help="print the full traceback of an error")
     p.add_argument("--no-report", dest="report", action="store_false",
                    help="do not write the PNG plots (OUTPUT_DIR/plots) at the end of the run")
@@ -281,7 +282,7 @@ def _main(ns, session: _Session) -> int:
             return _train(ns, session, args, job, resume, stop)
     from .tune import run_search_cli  # outside graceful_stop: Ray Tune handles Ctrl-C itself
 
-    return run_search_cli(args, job, ns.search)
+    return run_search_cli(args, job, ns.search, resume)
 
 
 def _train(ns, session: _Session, args: TrainingArguments, job: dict, resume, stop) -> int:

@@ -1,42 +1,47 @@
-"""DRIVER side: hyperparameter_search with Ray Tune (Optuna TPE; ASHA or PBT), one trial = one run.
+"""DRIVER side: hyperparameter_search with Ray Tune + Optuna; one trial = one raytrain run.
 
-A search space maps dotted config keys (`learning_rate`, `model.hidden_size`) to distributions,
-either Ray Tune sample objects or, from YAML (search_spaces/*.yaml)::
+A sweep lives in one directory, `<output_dir>/sweeps/<name>/` (or `<storage_path>/<name>/`)::
 
-    metric: eval_accuracy          # what evaluation reports and the search optimises
-    mode: max                      # max | min
-    num_samples: 8
-    scheduler: asha                # asha | pbt | none
-    space:
-      learning_rate: {loguniform: [1.0e-4, 1.0e-2]}
-      model.hidden_size: {choice: [64, 128, 256]}
+    experiment_state-*.json, searcher-state-*.pkl, tuner.pkl   Ray Tune's state (Tuner.restore)
+    optuna.db                                                  the Optuna study (SQLite)
+    trial_<id>/                                                one trial: raytrain checkpoints, Tune's
+                                                               result.json, its stdout/stderr logs
+    trials.csv, *.html, objective_over_steps.png               the results
+
+A search space is a YAML-style spec (raytrain.search_space) or Ray Tune sample objects; the YAML
+file for the CLI (search_spaces/*.yaml) adds metric, mode, num_samples, scheduler, sampler, seed.
+Restore glue (what Ray + Optuna did not do alone): `_Search` hands out Optuna trials asked before the
+driver died but after Tune's last state save, so the study ends with exactly n_trials trials.
 """
 
 from __future__ import annotations
 
-import copy
 import logging
 import os
-import tempfile
 from typing import Any, Callable, NamedTuple
 
-import yaml
-
-from .args import ConfigError, TrainingArguments, apply_overrides
-from .callbacks import DefaultFlowCallback, PrinterCallback, ProgressCallback, TrainerCallback
+from .args import ConfigError, TrainingArguments
+from .callbacks import DefaultFlowCallback, PrinterCallback, ProgressCallback
+from .search_space import SearchSpace, load_search_spec, space_from_spec
 
 logger = logging.getLogger(__name__)
 
-_DISTRIBUTIONS = {"uniform", "loguniform", "quniform", "randint", "choice", "grid"}
+__all__ = ["BestRun", "hyperparameter_search", "load_search_spec", "space_from_spec", "run_search_cli"]
+
+_DRIVER_CPU = 0.01  # a distributed trial's function only waits on its TorchTrainer
+SCHEDULERS = ("asha", "hyperband", "median", "pbt", "none")
+SAMPLERS = ("tpe", "random", "cmaes", "qmc")
 
 
 class BestRun(NamedTuple):
-    """HF's BestRun: the best trial's id, objective and hyperparameters (plus Ray's ResultGrid)."""
+    """HF's BestRun: the best trial's id, objective and hyperparameters; run_summary is the trials
+    table (a DataFrame, as trials.csv). `checkpoint` is the best evaluation's raytrain checkpoint."""
 
     run_id: str
-    objective: float
+    objective: float | list[float]
     hyperparameters: dict[str, Any]
     run_summary: Any = None
+    checkpoint: str | None = None
 
 
 def default_compute_objective(metrics: dict[str, float]) -> float:
@@ -47,100 +52,9 @@ def default_compute_objective(metrics: dict[str, float]) -> float:
     return loss if not metrics else sum(metrics.values())
 
 
-def space_from_spec(spec: dict[str, Any]) -> dict[str, Any]:
-    """{"learning_rate": {"loguniform": [1e-4, 1e-2]}, ...} -> Ray Tune sample objects."""
-    from ray import tune
-
-    out = {}
-    for key, dist in spec.items():
-        if not isinstance(dist, dict) or len(dist) != 1 or next(iter(dist)) not in _DISTRIBUTIONS:
-            raise ConfigError(f"space.{key}: expected one of {{{', '.join(sorted(_DISTRIBUTIONS))}}}: "
-                              f"[values], got {dist!r}")
-        kind, values = next(iter(dist.items()))
-        out[key] = tune.grid_search(values) if kind == "grid" else getattr(tune, kind)(*values) \
-            if kind != "choice" else tune.choice(values)
-    return out
-
-
-def load_search_spec(path: str) -> dict[str, Any]:
-    if not os.path.isfile(path):
-        raise ConfigError(f"--search: file not found: {path!r}")
-    with open(path) as f:
-        spec = yaml.safe_load(f) or {}
-    unknown = set(spec) - {"metric", "mode", "num_samples", "scheduler", "space", "max_concurrent_trials",
-                           "seed", "scheduler_kwargs"}
-    if unknown:
-        raise ConfigError(f"{path}: unknown key(s) {sorted(unknown)} (valid: metric, mode, num_samples, "
-                          "scheduler, scheduler_kwargs, space, max_concurrent_trials, seed)")
-    if spec.get("mode", "min") not in ("min", "max"):
-        raise ConfigError(f"{path}: mode must be min or max, got {spec['mode']!r}")
-    if not spec.get("space"):
-        raise ConfigError(f"{path}: 'space' is missing or empty")
-    return spec
-
-
-def _apply_params(args: TrainingArguments, params: dict[str, Any], output_dir: str) -> TrainingArguments:
-    # model.* parameters go to model_init, not into the arguments.
-    sets = [f"{k}={v}" for k, v in params.items() if not k.startswith("model.")]
-    d = apply_overrides(args.to_dict(), sets)
-    d["output_dir"] = output_dir
-    d["overwrite_output_dir"] = True
-    return TrainingArguments.from_dict(d)
-
-
-class _TuneTrial:
-    """What loop.py reports evaluations to inside a Tune trial (the worker never imports ray.tune)."""
-
-    def __init__(self, compute_objective: Callable, metric: str):
-        self.compute_objective, self.metric = compute_objective, metric
-
-    def report(self, metrics: dict, step: int, checkpoint_dir: str | None = None) -> None:
-        from ray import tune
-
-        out = {**metrics, "step": step, "objective": self.compute_objective(metrics)}
-        ckpt = tune.Checkpoint.from_directory(checkpoint_dir) if checkpoint_dir else None
-        tune.report(out, checkpoint=ckpt)
-
-
-def _make_trainable(spec: dict[str, Any]):
-    """The per-trial function: rebuild the trainer with the trial's parameters and train."""
-
-    def trainable(config: dict[str, Any]) -> None:
-        from ray import tune
-
-        from .trainer import Trainer, set_seed
-
-        trial_dir = tempfile.mkdtemp(prefix="raytrain-trial-")
-        args = _apply_params(spec["args"], config, trial_dir)
-        set_seed(args.seed, args.full_determinism)  # a trial's initial weights follow the seed too
-        trainer = Trainer(model=_call_model_init(spec["model_init"], config), args=args,
-                          callbacks=copy.deepcopy(spec["callbacks"]), **spec["trainer_kwargs"])
-        trainer._trial_name = tune.get_context().get_trial_name()
-        trainer._trial_params = dict(config)
-        resume = None
-        restored = tune.get_checkpoint()
-        if restored is not None:
-            resume = restored.to_directory(os.path.join(trial_dir, "restored"))
-            trainer.add_callback(_RestoreTrialParams(args))
-        trainer.train(resume_from_checkpoint=resume, trial=_TuneTrial(spec["compute_objective"], spec["metric"]))
-
-    return trainable
-
-
-class _RestoreTrialParams(TrainerCallback):
-    """After PBT restores a checkpoint of another trial, the mutated learning rate must win over
-    the restored optimizer/scheduler state."""
-
-    def __init__(self, args):
-        self.lr = args.learning_rate
-
-    def on_train_begin(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
-        if lr_scheduler is not None and hasattr(lr_scheduler, "base_lrs"):
-            factor = [g["lr"] / b if b else 1.0 for g, b in zip(optimizer.param_groups, lr_scheduler.base_lrs)]
-            lr_scheduler.base_lrs = [self.lr] * len(lr_scheduler.base_lrs)
-            for g, f in zip(optimizer.param_groups, factor):
-                g["lr"] = self.lr * f
-                g["initial_lr"] = self.lr
+def _metric_objective(metric: str) -> Callable:
+    key = metric if metric.startswith("eval_") else f"eval_{metric}"
+    return lambda m: m[key]
 
 
 def _built_in():
@@ -148,90 +62,294 @@ def _built_in():
     return (DefaultFlowCallback, PrinterCallback, ProgressCallback, MLflowCallback)
 
 
-def _scheduler(name: str | None, space: dict, mode: str, kwargs: dict):
-    from ray.tune.schedulers import ASHAScheduler, PopulationBasedTraining
+def _search_class():
+    from optuna.trial import Trial, TrialState
+    from ray.tune.search.optuna import OptunaSearch
+
+    class _Search(OptunaSearch):
+        """OptunaSearch whose new trials first take over the study's orphans: trials Optuna handed
+        out after Tune's last state save, before the driver died (same parameters, same count)."""
+
+        def suggest(self, trial_id: str):
+            if trial_id not in self._ot_trials and self._ot_study is not None:
+                owned = {t._trial_id for t in self._ot_trials.values()}
+                orphans = [t for t in self._ot_study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
+                           if t._trial_id not in owned]
+                if orphans:
+                    self._ot_trials[trial_id] = Trial(self._ot_study, orphans[0]._trial_id)
+            return super().suggest(trial_id)
+
+    return _Search
+
+
+def _sampler(name: str, seed: int | None, n_trials: int):
+    import optuna
+
+    # TPE samples at random for its first n_startup_trials (Optuna: 10): in a sweep of 8 it never
+    # would model anything. A third of the sweep, 2 to 10 trials, explores first.
+    startup = min(10, max(2, n_trials // 3))
+    samplers = {"tpe": lambda: optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup),
+                "random": lambda: optuna.samplers.RandomSampler(seed=seed),
+                "cmaes": lambda: optuna.samplers.CmaEsSampler(seed=seed),
+                "qmc": lambda: optuna.samplers.QMCSampler(seed=seed)}
+    return samplers[name]()
+
+
+def _scheduler(name: str | None, mutations: dict | None, kwargs: dict):
+    from ray.tune import schedulers as s
 
     if name in (None, "none", "fifo"):
         return None
+    # Trials report once per evaluation: training_iteration counts evaluations.
     if name == "asha":
-        return ASHAScheduler(**{"grace_period": 1, "reduction_factor": 2, **kwargs})
+        return s.ASHAScheduler(**{"grace_period": 1, "reduction_factor": 2, **kwargs})
+    if name == "hyperband":
+        return s.AsyncHyperBandScheduler(**{"grace_period": 1, "reduction_factor": 3, "brackets": 3, **kwargs})
+    if name == "median":
+        return s.MedianStoppingRule(**{"grace_period": 1, "min_samples_required": 2, "time_attr": "training_iteration",
+                                       **kwargs})
     if name == "pbt":
-        return PopulationBasedTraining(hyperparam_mutations=space,
-                                       **{"time_attr": "training_iteration", "perturbation_interval": 2, **kwargs})
-    raise ConfigError(f"scheduler: must be asha, pbt or none, got {name!r}")
+        return s.PopulationBasedTraining(hyperparam_mutations=mutations,
+                                         **{"time_attr": "training_iteration", "perturbation_interval": 2, **kwargs})
+    raise ConfigError(f"scheduler: must be one of {', '.join(SCHEDULERS)}, got {name!r}")
 
 
-def hyperparameter_search(trainer, hp_space: dict | Callable | None = None, compute_objective: Callable | None = None,
-                          n_trials: int = 20, direction: str = "minimize", scheduler: str | None = "asha",
-                          scheduler_kwargs: dict | None = None, max_concurrent_trials: int | None = None,
-                          seed: int | None = None, metric: str | None = None, resources_per_trial: dict | None = None,
-                          storage_path: str | None = None, name: str | None = None) -> BestRun:
-    """Search hyperparameters of `trainer` (built with model_init) with Ray Tune + Optuna TPE."""
-    import ray
-    from ray import tune
-    from ray.tune.search.optuna import OptunaSearch
-
+def _check(trainer, space, directions: list[str], scheduler: str | None, sampler: str) -> None:
+    if sampler not in SAMPLERS:
+        raise ConfigError(f"sampler: must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
     if trainer.model_init is None:
         raise ValueError("hyperparameter_search needs a Trainer built with model_init (one model per trial)")
-    if direction not in ("minimize", "maximize"):
-        raise ValueError(f"direction: must be 'minimize' or 'maximize', got {direction!r}")
+    bad = [d for d in directions if d not in ("minimize", "maximize")]
+    if bad or not directions:
+        raise ValueError(f"direction: must be 'minimize', 'maximize' or a list of them, got {bad or directions!r}")
     if trainer.args.eval_strategy == "no":
         raise ValueError("hyperparameter_search: eval_strategy is 'no', so trials report nothing; "
                          "set eval_strategy to 'steps' or 'epoch'")
-    space = hp_space(None) if callable(hp_space) else dict(hp_space or {})
     if not space:
         raise ValueError("hyperparameter_search: hp_space is empty")
-    bad = [k for k in space if k.startswith("data.")]
-    if bad:
-        raise ValueError(f"hp_space: {bad[0]}: data parameters cannot vary per trial (the datasets are built once)")
-    mode = "min" if direction == "minimize" else "max"
+    names = space.names if isinstance(space, SearchSpace) else list(space)
+    data = [k for k in names if k.startswith("data.")]
+    if data:
+        raise ValueError(f"hp_space: {data[0]}: data parameters cannot vary per trial (the datasets are built once)")
+    if scheduler not in (None, *SCHEDULERS, "fifo"):
+        raise ConfigError(f"scheduler: must be one of {', '.join(SCHEDULERS)}, got {scheduler!r}")
+    if len(directions) > 1 and scheduler not in (None, "none", "fifo"):
+        raise ValueError(f"scheduler {scheduler!r} needs one objective; a multi-objective sweep takes scheduler='none'")
+    if scheduler == "pbt":
+        arch = [k for k in names if k.startswith("model.")]
+        if arch:
+            raise ValueError(f"hp_space: {arch[0]}: PBT clones checkpoints between trials, so the architecture "
+                             "must not vary; drop model.* keys or use asha")
+        if trainer.args.scaling.num_workers > 1:
+            raise ValueError("scheduler 'pbt' needs one-worker trials (scaling.num_workers=1): distributed "
+                             "trials report no Tune checkpoints to clone")
+        if trainer.args.save_strategy == "no":
+            raise ValueError("scheduler 'pbt' clones checkpoints: set save_strategy (it is 'no')")
+
+
+def _space(hp_space) -> SearchSpace | dict:
+    space = hp_space(None) if callable(hp_space) and not isinstance(hp_space, SearchSpace) else hp_space
+    if isinstance(space, dict) and space and all(isinstance(v, dict) for v in space.values()):
+        return space_from_spec(space)  # the YAML form, from Python
+    return space if isinstance(space, SearchSpace) else dict(space or {})
+
+
+def _resources(args: TrainingArguments, resources_per_trial: dict | None, max_concurrent: int | None):
+    """Per-trial resources and concurrency from the scaling section when not given. A distributed
+    trial's function only drives its TorchTrainer, whose workers reserve their own resources
+    (Ray Train v2 with Tune), so concurrency is what the cluster holds of those workers."""
+    import ray
+
+    scaling = args.scaling
+    if scaling.num_workers <= 1:
+        per = resources_per_trial or scaling.resources_per_worker or {"CPU": 1, "GPU": int(scaling.use_gpu)}
+        return {k.lower(): v for k, v in per.items() if v}, max_concurrent
+    per_worker = scaling.resources_per_worker or {"CPU": 1, "GPU": int(scaling.use_gpu)}
+    driver = resources_per_trial or {"cpu": _DRIVER_CPU}  # Tune refuses an empty request
+    if max_concurrent is None:
+        total = ray.cluster_resources()
+        need = {k.upper(): v * scaling.num_workers for k, v in per_worker.items() if v}
+        for k, v in driver.items():
+            need[k.upper()] = need.get(k.upper(), 0) + v
+        fits = [int(total.get(k, 0) // v) for k, v in need.items() if v]
+        max_concurrent = max(1, min(fits)) if fits else 1
+    return driver, max_concurrent
+
+
+def hyperparameter_search(trainer, hp_space=None, compute_objective: Callable | None = None, n_trials: int = 20,
+                          direction: str | list[str] = "minimize", scheduler: str | None = "asha",
+                          scheduler_kwargs: dict | None = None, max_concurrent_trials: int | None = None,
+                          seed: int | None = None, metric: str | None = None, resources_per_trial: dict | None = None,
+                          storage_path: str | None = None, name: str | None = None, sampler: str = "tpe",
+                          resume: bool | str = False, show_trial_logs: bool = False, plots: bool = True):
+    """Search hyperparameters of `trainer` (built with model_init). Returns a BestRun, or for several
+    directions the Pareto front as a list of BestRun. resume=True continues the sweep of the same
+    name (an error if there is none), "auto" continues it if it exists; False refuses to overwrite one."""
+    from ray import tune
+
+    from . import sweep_report
+    from ._tune_trial import run_trial, trial_dirname
+    from .launch import ensure_ray
+
+    directions = list(direction) if isinstance(direction, (list, tuple)) else [direction]
+    space = _space(hp_space)
+    _check(trainer, space, directions, scheduler, sampler)
+    modes = ["min" if d == "minimize" else "max" for d in directions]
+    keys = ["objective"] if len(modes) == 1 else [f"objective_{i}" for i in range(len(modes))]
     if compute_objective is None:
-        compute_objective = (lambda m, key=f"eval_{metric}".replace("eval_eval_", "eval_"): m[key]) \
-            if metric else default_compute_objective
+        compute_objective = _metric_objective(metric) if metric else default_compute_objective
+
+    name = name or trainer.args.run_name or "sweep"
+    root = storage_path or os.path.join(trainer.args.output_dir, "sweeps")
+    if "://" in root:
+        raise ValueError(f"storage_path: {root!r}: a sweep writes trial checkpoints with local file I/O; give a "
+                         "path every node sees (a shared filesystem), not a URI")
+    root = os.path.abspath(os.path.expanduser(root))
+    sweep_dir = os.path.join(root, name)
+    restoring = _restoring(sweep_dir, resume)
+    os.makedirs(sweep_dir, exist_ok=True)
+    # Tune saves its state (trials, searcher) at most this often; a small period keeps a restore
+    # close to where the driver died.
+    os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "1")
+    # Our status lines replace Tune's progress tables (the legacy reporter is silent at verbose=0).
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
+    ensure_ray()
+
+    tracker = None
+    if "mlflow" in trainer.args.report_to:
+        from .sweep_tracking import SweepTracker
+        tracker = SweepTracker.start(sweep_dir, name)
     spec = {
-        "args": trainer.args, "model_init": trainer.model_init,
+        "args": trainer.args, "model_init": trainer.model_init, "sweep_dir": sweep_dir,
         "callbacks": [cb for cb in trainer.callback_handler.callbacks if not isinstance(cb, _built_in())],
         "trainer_kwargs": {"train_dataset": trainer.train_dataset, "eval_dataset": trainer.eval_dataset,
                            "data_collator": trainer.data_collator, "compute_metrics": trainer.compute_metrics,
                            "compute_loss_func": trainer.compute_loss_func},
-        "compute_objective": compute_objective, "metric": metric,
+        "compute_objective": compute_objective, "metric": metric, "mode": modes[0] if len(modes) == 1 else None,
+        "directions": directions, "scheduler": scheduler, "mlflow": tracker.info if tracker else None,
+        "show_trial_logs": show_trial_logs,
     }
-    if not ray.is_initialized():
-        # Trials import the user's factories (examples.digits...) from the working directory.
-        path = os.pathsep.join(p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p)
-        ray.init(include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": path}})
-    sched = _scheduler(scheduler, space, mode, scheduler_kwargs or {})
-    search_alg = None if scheduler == "pbt" else OptunaSearch(seed=seed)
-    trainable = tune.with_resources(_make_trainable(spec), resources_per_trial or {"cpu": 1})
-    tuner = tune.Tuner(
-        trainable, param_space=space,
-        tune_config=tune.TuneConfig(metric="objective", mode=mode, num_samples=n_trials, search_alg=search_alg,
-                                    scheduler=sched, max_concurrent_trials=max_concurrent_trials),
-        run_config=tune.RunConfig(name=name, storage_path=os.path.abspath(storage_path) if storage_path else None,
-                                  verbose=0),
+    resources, max_concurrent = _resources(trainer.args, resources_per_trial, max_concurrent_trials)
+    trainable = tune.with_resources(tune.with_parameters(run_trial, spec=spec), resources)
+    callbacks = [sweep_report.StatusLines(keys, tracker)]
+
+    if restoring:
+        print(f"[sweep] resuming {sweep_dir}", flush=True)
+        tuner = tune.Tuner.restore(sweep_dir, trainable, resume_unfinished=True, resume_errored=False)
+    else:
+        tuner = _new_tuner(trainable, space, modes, keys, n_trials, scheduler, scheduler_kwargs, max_concurrent,
+                           seed, sampler, root, name, sweep_dir, callbacks, trial_dirname)
+    quiet = logging.getLogger("ray.tune")
+    level = quiet.level
+    quiet.setLevel(logging.WARNING)  # "Wrote the latest version of all result files ..."
+    try:
+        grid = tuner.fit()
+    finally:
+        quiet.setLevel(level)
+    return _finish(grid, space, keys, modes, sweep_dir, name, tracker, plots)
+
+
+def _restoring(sweep_dir: str, resume: bool | str) -> bool:
+    from ray import tune
+
+    exists = tune.Tuner.can_restore(sweep_dir)
+    if resume is True and not exists:
+        raise FileNotFoundError(f"resume=True: no sweep to continue in {sweep_dir}; run it without resume first")
+    if resume is False and exists:
+        raise FileExistsError(f"{sweep_dir} already holds a sweep; pass resume=True (CLI: --resume auto) to "
+                              "continue it, or choose another name")
+    return exists
+
+
+def _new_tuner(trainable, space, modes, keys, n_trials, scheduler, scheduler_kwargs, max_concurrent, seed,
+               sampler, root, name, sweep_dir, callbacks, trial_dirname):
+    import optuna
+    from ray import tune
+
+    single = len(modes) == 1
+    if scheduler == "pbt":
+        mutations = space.to_tune() if isinstance(space, SearchSpace) else space
+        param_space, search_alg = mutations, None
+    else:
+        mutations, param_space = None, (None if isinstance(space, SearchSpace) else space)
+        storage = optuna.storages.RDBStorage(f"sqlite:///{os.path.join(sweep_dir, 'optuna.db')}")
+        search_alg = _search_class()(space=space if isinstance(space, SearchSpace) else None,
+                                     metric=keys[0] if single else keys, mode=modes[0] if single else modes,
+                                     sampler=_sampler(sampler, seed, n_trials), study_name=name, storage=storage)
+    return tune.Tuner(
+        trainable, param_space=param_space,
+        tune_config=tune.TuneConfig(
+            metric="objective" if single else None, mode=modes[0] if single else None, num_samples=n_trials,
+            search_alg=search_alg, scheduler=_scheduler(scheduler, mutations, scheduler_kwargs or {}),
+            max_concurrent_trials=max_concurrent, trial_dirname_creator=trial_dirname,
+            reuse_actors=True),  # a warm process per trial slot: no Ray worker start-up per trial
+        run_config=tune.RunConfig(name=name, storage_path=root, verbose=0, callbacks=callbacks,
+                                  ),
     )
-    grid = tuner.fit()
-    errors = [r.error for r in grid if r.error]
-    if len(errors) == len(grid):
-        raise RuntimeError(f"every trial failed; the first error: {errors[0]}")
-    best = grid.get_best_result(metric="objective", mode=mode, scope="all")
-    objective = best.metrics_dataframe["objective"].max() if mode == "max" else best.metrics_dataframe["objective"].min()
-    return BestRun(best.metrics.get("trial_id", ""), float(objective), dict(best.config), grid)
 
 
-def _call_model_init(model_init: Callable, config: dict[str, Any]):
-    """model_init(**model.* params) if it takes keywords, model_init(config) (HF's Ray backend) if it
-    takes one argument, else model_init()."""
-    import inspect
+def _finish(grid, space, keys, modes, sweep_dir, name, tracker, plots):
+    from . import sweep_report
 
-    params = inspect.signature(model_init).parameters.values()
-    if any(p.kind is p.VAR_KEYWORD for p in params):
-        return model_init(**{k.split(".", 1)[1]: v for k, v in config.items() if k.startswith("model.")})
-    return model_init(config) if len(params) == 1 else model_init()
+    names = space.names if isinstance(space, SearchSpace) else list(space)
+    table = sweep_report.trials_table(grid, names, keys, modes)
+    table.to_csv(os.path.join(sweep_dir, "trials.csv"), index=False)
+    print(f"[sweep] {len(table)} trials ({sweep_dir}):", flush=True)
+    sweep_report.print_table(table)
+    ok = table.dropna(subset=keys)
+    if ok.empty:
+        errors = [e for e in table["error"] if e]
+        if tracker:
+            tracker.end(None)
+        raise RuntimeError(f"every trial failed; the first error: {errors[0] if errors else 'no trial reported'}")
+    study = _load_study(sweep_dir, name)
+    if plots:
+        sweep_report.write_plots(sweep_dir, grid, keys, study)
+
+    def best_run(row) -> BestRun:
+        params = {k: _py(row[k]) for k in names if k in row and row[k] == row[k]}  # NaN: not sampled
+        objective = float(row[keys[0]]) if len(keys) == 1 else [float(row[k]) for k in keys]
+        return BestRun(row["trial_id"], objective, params, table, row["checkpoint"] or None)
+
+    if len(keys) == 1:
+        best = best_run(ok.sort_values(keys[0], ascending=modes[0] == "min").iloc[0])
+        print(f"[sweep] best trial {best.run_id}: objective={best.objective:.6g} {best.hyperparameters} "
+              f"checkpoint={best.checkpoint}", flush=True)
+        if tracker:
+            tracker.end(best)
+        return best
+    front = _pareto(ok, keys, modes)
+    print(f"[sweep] Pareto front: {[r['trial_id'] for _, r in front.iterrows()]}", flush=True)
+    runs = [best_run(r) for _, r in front.iterrows()]
+    if tracker:
+        tracker.end(runs[0] if runs else None)
+    return runs
 
 
-def run_search_cli(args: TrainingArguments, job: dict, path: str) -> int:
-    """python -m raytrain.run --config X.yaml --search S.yaml"""
+def _py(v):
+    return v.item() if hasattr(v, "item") else v
+
+
+def _pareto(df, keys, modes):
+    """Rows no other row dominates (each trial's best-per-objective reports, as in the table)."""
+    signs = [1 if m == "min" else -1 for m in modes]
+    vals = [[s * r[k] for k, s in zip(keys, signs)] for _, r in df.iterrows()]
+    keep = [i for i, a in enumerate(vals)
+            if not any(all(b[j] <= a[j] for j in range(len(a))) and b != a for b in vals)]
+    return df.iloc[keep]
+
+
+def _load_study(sweep_dir: str, name: str):
+    path = os.path.join(sweep_dir, "optuna.db")
+    if not os.path.isfile(path):
+        return None
+    import optuna
+
+    return optuna.load_study(study_name=name, storage=f"sqlite:///{path}")
+
+
+def run_search_cli(args: TrainingArguments, job: dict, path: str, resume: Any = "auto") -> int:
+    """python -m raytrain.run --config X.yaml --search S.yaml [--resume auto|never]"""
     from .run import import_string
     from .trainer import Trainer
 
@@ -246,10 +364,15 @@ def run_search_cli(args: TrainingArguments, job: dict, path: str) -> int:
     job = {k: v for k, v in job.items() if k != "model"}
     trainer = Trainer(args=args, model_init=model_init, **job)
     mode = spec.get("mode", "min")
-    best = hyperparameter_search(trainer, space, n_trials=spec.get("num_samples", 8),
-                                 direction="maximize" if mode == "max" else "minimize",
+    direction = [("maximize" if m == "max" else "minimize") for m in mode] if isinstance(mode, list) else \
+        ("maximize" if mode == "max" else "minimize")
+    name = spec.get("name") or os.path.splitext(os.path.basename(path))[0]
+    best = hyperparameter_search(trainer, space, n_trials=spec.get("num_samples", 8), direction=direction,
                                  scheduler=spec.get("scheduler", "asha"), scheduler_kwargs=spec.get("scheduler_kwargs"),
                                  max_concurrent_trials=spec.get("max_concurrent_trials"), seed=spec.get("seed"),
-                                 metric=spec.get("metric"), storage_path=os.path.join(args.output_dir, "tune"))
-    print(f"best trial: objective={best.objective:.6g} hyperparameters={best.hyperparameters}")
+                                 metric=spec.get("metric"), sampler=spec.get("sampler", "tpe"), name=name,
+                                 show_trial_logs=bool(spec.get("show_trial_logs", False)),
+                                 resume="auto" if resume == "auto" else False)
+    for b in best if isinstance(best, list) else [best]:
+        print(f"best trial: objective={b.objective} hyperparameters={b.hyperparameters} checkpoint={b.checkpoint}")
     return 0

@@ -1,90 +1,207 @@
-"""hyperparameter_search: Ray Tune + Optuna TPE with ASHA, and PBT restoring checkpoints; the CLI's --search."""
+"""hyperparameter_search: the sweep directory, trials table, best checkpoint, schedulers, PBT, failures,
+multi-objective, MLflow parent/child runs, distributed trials, the CLI. Sweeps are tiny (digits, a few
+evaluations per trial, 2 at once) and share the session's Ray cluster."""
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
+
+import pandas as pd
 import pytest
 
 from raytrain import Trainer, TrainingArguments
-from raytrain.args import ConfigError
-from raytrain.tune import load_search_spec, space_from_spec
 
 pytestmark = pytest.mark.ray
 
 
-def _trainer(tmp_path, digits, **kw):
+def _trainer(tmp_path, digits, model_init=None, **kw):
     from examples.digits import build_model, compute_metrics
 
     train, val = digits
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=40, per_device_train_batch_size=32,
-                             eval_strategy="steps", eval_steps=10, save_strategy="steps", save_steps=10,
-                             logging_steps=10, disable_tqdm=True, **kw)
-    return Trainer(args=args, model_init=lambda **k: build_model(**k), train_dataset=train, eval_dataset=val,
-                   compute_metrics=compute_metrics)
+    base = dict(output_dir=str(tmp_path / "out"), max_steps=20, per_device_train_batch_size=32,
+                eval_strategy="steps", eval_steps=5, save_strategy="steps", save_steps=5, logging_steps=5,
+                save_total_limit=1, disable_tqdm=True)
+    args = TrainingArguments(**{**base, **kw})
+    return Trainer(args=args, model_init=model_init or (lambda **k: build_model(**k)), train_dataset=train,
+                   eval_dataset=val, compute_metrics=compute_metrics)
 
 
-def test_asha_with_optuna_finds_a_good_trial(ray_cluster, tmp_path, digits):
-    space = space_from_spec({"learning_rate": {"loguniform": [1e-3, 1e-2]},
-                             "model.hidden_size": {"choice": [32, 64]}})
+def _ours_in_tmp() -> set[str]:
+    return {n for n in os.listdir(tempfile.gettempdir()) if n.startswith("raytrain")}
+
+
+def test_asha_sweep_directory_table_and_best_checkpoint(ray_cluster, tmp_path, digits, capsys):
+    import optuna
+    import torch
+
+    from examples.digits import build_model, compute_metrics
+    from raytrain.checkpoint import load_weights
+
+    before = _ours_in_tmp()
+    space = {"learning_rate": {"loguniform": [1e-3, 1e-2]}, "model.hidden_size": {"choice": [32, 64]}}
     best = _trainer(tmp_path, digits).hyperparameter_search(
-        space, n_trials=4, direction="maximize", metric="accuracy", scheduler="asha", seed=0,
-        max_concurrent_trials=2, storage_path=str(tmp_path / "tune"))
-    grid = best.run_summary
-    assert len(grid) == 4 and not [r for r in grid if r.error]
-    configs = [r.config for r in grid]
-    assert all(1e-3 <= c["learning_rate"] <= 1e-2 and c["model.hidden_size"] in (32, 64) for c in configs)
-    assert len({c["learning_rate"] for c in configs}) == 4  # TPE's start-up samples differ
-    # The objective is the reported eval_accuracy; the best trial is the max over all trials' reports.
-    assert best.objective == max(r.metrics_dataframe["eval_accuracy"].max() for r in grid)
-    assert best.objective > 0.8
-    assert set(best.hyperparameters) == {"learning_rate", "model.hidden_size"}
+        space, n_trials=6, direction="maximize", metric="accuracy", scheduler="asha", seed=0,
+        max_concurrent_trials=2, name="digits")
+    sweep = tmp_path / "out" / "sweeps" / "digits"
+    table = pd.read_csv(sweep / "trials.csv", dtype={"trial_id": str})
+
+    # One directory per trial under the sweep directory, one row each; nothing of ours left in /tmp.
+    dirs = sorted(p.name for p in sweep.iterdir() if p.name.startswith("trial_"))
+    assert dirs == sorted(f"trial_{t}" for t in table["trial_id"]) and len(dirs) == 6
+    assert all((sweep / d / "trial.log").stat().st_size > 0 and (sweep / d / "result.json").exists() for d in dirs)
+    assert _ours_in_tmp() == before
+    assert list(table.columns[:3]) == ["trial_id", "learning_rate", "model.hidden_size"]
+    assert set(table["status"]) <= {"finished", "stopped early"} and (table["status"] == "finished").any()
+    # ASHA stopped some trials early: fewer steps than the 6 x 20 every trial runs without a scheduler.
+    assert table["steps"].sum() < 6 * 20
+    # save_total_limit=1 rotates each trial to one checkpoint, the best one kept.
+    assert all(len([c for c in os.listdir(sweep / d) if c.startswith("checkpoint-")]) <= 2 for d in dirs)
+
+    # The best trial's checkpoint holds the weights whose accuracy is the reported objective.
+    assert best.run_summary.equals(table) or len(best.run_summary) == 6
+    assert best.objective == table["objective"].max() > 0.5
+    assert best.checkpoint.startswith(str(sweep / f"trial_{best.run_id}"))
+    model = build_model(hidden_size=best.hyperparameters["model.hidden_size"])
+    model.load_state_dict(load_weights(best.checkpoint))
+    model.eval()
+    _, val = digits
+    with torch.no_grad():
+        logits = model(pixels=torch.from_numpy(val["pixels"]))["logits"].numpy()
+    assert compute_metrics((logits, val["labels"]))["accuracy"] == pytest.approx(best.objective, abs=1e-12)
+
+    study = optuna.load_study(study_name="digits", storage=f"sqlite:///{sweep / 'optuna.db'}")
+    assert len(study.trials) == 6
+    for f in ("optimization_history.html", "param_importances.html", "parallel_coordinate.html",
+              "objective_over_steps.png"):
+        assert (sweep / f).stat().st_size > 1000, f
+    out = capsys.readouterr().out
+    assert out.count("started learning_rate=") == 6
+    assert f"[sweep] best trial {best.run_id}: objective=" in out
+    assert "Current time:" not in out and "Trial status" not in out  # no Tune progress tables
 
 
-def test_search_spec_errors(tmp_path):
-    bad = tmp_path / "s.yaml"
-    bad.write_text("metric: eval_loss\nspace:\n  learning_rate: {lognormal: [1, 2]}\n")
-    with pytest.raises(ConfigError, match=r"space.learning_rate: expected one of"):
-        space_from_spec(load_search_spec(str(bad))["space"])
-    bad.write_text("metrc: eval_loss\nspace: {learning_rate: {uniform: [0, 1]}}\n")
-    with pytest.raises(ConfigError, match=r"unknown key\(s\) \['metrc'\]"):
-        load_search_spec(str(bad))
-    with pytest.raises(ConfigError, match="file not found"):
-        load_search_spec(str(tmp_path / "missing.yaml"))
+def test_failures_multi_objective_and_mlflow_parent_child(ray_cluster, tmp_path, digits, monkeypatch):
+    mlflow = pytest.importorskip("mlflow")
+    from examples.digits import build_model
+
+    arm, fired = tmp_path / "arm", tmp_path / "fired"
+
+    def model_init(**kw):  # the first trial to start fails; the driver's own call does not
+        if arm.exists() and not fired.exists():
+            fired.touch()
+            raise RuntimeError("model_init exploded on purpose")
+        return build_model(**kw)
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "sweep-test")
+    trainer = _trainer(tmp_path, digits, model_init=model_init, max_steps=10, report_to="mlflow")
+    arm.touch()
+    front = trainer.hyperparameter_search(
+        {"learning_rate": {"loguniform": [1e-3, 3e-2]}}, n_trials=3, direction=["minimize", "maximize"],
+        compute_objective=lambda m: (m["eval_loss"], m["eval_accuracy"]), scheduler="none", sampler="random",
+        seed=1, max_concurrent_trials=1, name="multi")
+    sweep = tmp_path / "out" / "sweeps" / "multi"
+    table = pd.read_csv(sweep / "trials.csv", dtype={"trial_id": str}, keep_default_na=False)
+    failed = table[table["status"] == "failed"]
+    assert len(table) == 3 and len(failed) == 1
+    assert failed["error"].iloc[0] == "RuntimeError: model_init exploded on purpose"
+    done = table[table["status"] == "finished"]
+    assert len(done) == 2 and (done["steps"] == 10).all()  # no scheduler: every trial runs max_steps
+
+    # The Pareto front: the finished trials no other finished trial beats on both objectives.
+    assert isinstance(front, list) and front
+    rows = {r.trial_id: (float(r.objective_0), float(r.objective_1)) for r in done.itertuples()}
+    dominated = {a for a in rows for b in rows if b != a and rows[b][0] <= rows[a][0] and rows[b][1] >= rows[a][1]
+                 and rows[b] != rows[a]}
+    assert sorted(b.run_id for b in front) == sorted(set(rows) - dominated)
+    assert all(b.objective == list(rows[b.run_id]) for b in front)
+    assert (sweep / "pareto_front.html").exists()
+
+    # MLflow: one parent, one child per trial (params, metrics by step, status), the best tagged.
+    assert not list(sweep.glob("trial_*/mlflow.db")) and not list(sweep.glob("trial_*/mlruns"))
+    client = mlflow.tracking.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    exp = client.get_experiment_by_name("sweep-test")
+    runs = client.search_runs([exp.experiment_id])
+    (parent,) = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = {r.data.tags["raytrain.trial_id"]: r for r in runs if r.data.tags.get("mlflow.parentRunId")}
+    assert parent.info.run_name == "multi" and parent.info.status == "FINISHED"
+    assert sorted(children) == sorted(table["trial_id"])
+    assert {t: children[t].info.status for t in table["trial_id"]} == \
+        {t: ("FAILED" if s == "failed" else "FINISHED") for t, s in zip(table["trial_id"], table["status"])}
+    for t in done["trial_id"]:
+        child = children[t]
+        lr = float(table.set_index("trial_id").loc[t, "learning_rate"])
+        assert float(child.data.params["learning_rate"]) == pytest.approx(lr)
+        assert [m.step for m in client.get_metric_history(child.info.run_id, "eval_accuracy")] == [5, 10]
+    assert parent.data.tags["best_trial_id"] == front[0].run_id
+    assert "model_init exploded" in children[failed["trial_id"].iloc[0]].data.tags["raytrain.error"]
 
 
-def test_pbt_exploits_by_restoring_checkpoints(ray_cluster, tmp_path, digits):
-    from ray import tune
-
-    trainer = _trainer(tmp_path, digits, lr_scheduler_type="constant")
+def test_pbt_clones_a_checkpoint_with_the_mutated_learning_rate(ray_cluster, tmp_path, digits):
+    trainer = _trainer(tmp_path, digits, lr_scheduler_type="constant", save_total_limit=None)
     best = trainer.hyperparameter_search(
-        {"learning_rate": tune.loguniform(1e-4, 1e-2)}, n_trials=2, direction="maximize", metric="accuracy",
-        scheduler="pbt", scheduler_kwargs={"perturbation_interval": 1, "quantile_fraction": 0.5},
-        storage_path=str(tmp_path / "tune"))
-    grid = best.run_summary
-    assert not [r for r in grid if r.error]
-    # Every trial reached the last evaluation (step 40), restored or not, and reported checkpoints.
-    assert all(r.metrics["step"] == 40 for r in grid)
-    assert all(r.checkpoint is not None for r in grid)
-    assert 0.0 < best.objective <= 1.0
+        {"learning_rate": {"loguniform": [1e-4, 1e-2]}}, n_trials=2, direction="maximize", metric="accuracy",
+        scheduler="pbt", scheduler_kwargs={"perturbation_interval": 2, "quantile_fraction": 0.5, "synch": True}, seed=0,
+        name="pbt")
+    sweep = tmp_path / "out" / "sweeps" / "pbt"
+    table = best.run_summary
+    assert (table["steps"] == 20).all() and (table["status"] == "finished").all()
+    clones = []
+    for d in sweep.glob("trial_*"):
+        for line in (d / "trial.log").read_text().splitlines():
+            if "PBT: continuing from" in line:
+                clones.append((d, line))
+    # A clone at step 20 (the end) trains no further: look at one made before.
+    clones = [(d, *line.split("continuing from ")[1].split(" with learning_rate=")) for d, line in clones]
+    clones = [(d, source, lr) for d, source, lr in clones if int(source.rsplit("-", 1)[1]) < 20]
+    assert clones, "PBT never cloned a trial before its last evaluation"
+    d, source, lr = clones[0]
+    assert os.path.dirname(source) != str(d) and os.path.isdir(source)
+    step = int(source.rsplit("-", 1)[1])
+    # The clone trained on from the source step with the mutated learning rate (constant schedule).
+    final = sorted(d.glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[-1]
+    history = json.loads((final / "trainer_state.json").read_text())["log_history"]
+    after = [h["learning_rate"] for h in history if "learning_rate" in h and h["step"] > step]
+    assert after and all(v == pytest.approx(float(lr)) for v in after)
+    before = [h["learning_rate"] for h in history if "learning_rate" in h and h["step"] <= step]
+    assert before and all(v != pytest.approx(float(lr)) for v in before)  # the source trial's own rate
 
 
-def test_cli_search_runs_on_an_existing_cluster(ray_cluster, tmp_path):
+def test_a_two_worker_trial_inside_a_sweep_reports(ray_cluster, tmp_path, digits):
+    trainer = _trainer(tmp_path, digits, max_steps=10, **{"scaling": {"num_workers": 2}})
+    best = trainer.hyperparameter_search({"learning_rate": {"loguniform": [1e-3, 1e-2]}}, n_trials=2,
+                                         direction="maximize", metric="accuracy", scheduler="none", seed=0,
+                                         max_concurrent_trials=1, name="ddp")
+    table = best.run_summary
+    assert (table["status"] == "finished").all() and (table["steps"] == 10).all()
+    assert (table["objective"] > 0.1).all()
+    assert best.checkpoint and os.path.isdir(best.checkpoint)
 
-    import os
+
+def test_cli_search_resumes_by_name(ray_cluster, tmp_path):
     import subprocess
     import sys
 
     spec = tmp_path / "space.yaml"
     spec.write_text("metric: eval_accuracy\nmode: max\nnum_samples: 2\nscheduler: asha\nseed: 1\n"
-                    "space:\n  learning_rate: {loguniform: [1.0e-3, 1.0e-2]}\n")
+                    "max_concurrent_trials: 2\nspace:\n  learning_rate: {loguniform: [1.0e-3, 1.0e-2]}\n")
     env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run(
-        [sys.executable, "-m", "raytrain.run", "--config", "examples/digits.yaml", "--search", str(spec),
-         "--set", f"output_dir={tmp_path / 'out'}", "--set", "num_train_epochs=2"],
-        cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    cmd = [sys.executable, "-m", "raytrain.run", "--config", "examples/digits.yaml", "--search", str(spec),
+           "--set", f"output_dir={tmp_path / 'out'}", "--set", "num_train_epochs=2"]
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-2000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("best trial:"))
-    assert "learning_rate" in line
-    assert float(line.split("objective=")[1].split()[0]) > 0.8
-    assert os.path.isdir(tmp_path / "out" / "tune")
-
+    assert "learning_rate" in line and float(line.split("objective=")[1].split()[0]) > 0.8
+    table = pd.read_csv(tmp_path / "out" / "sweeps" / "space" / "trials.csv")
+    assert len(table) == 2
+    # The same command again continues the finished sweep (--resume auto): no trial is added.
+    again = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=400)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "[sweep] resuming" in again.stdout and " started " not in again.stdout
+    assert len(pd.read_csv(tmp_path / "out" / "sweeps" / "space" / "trials.csv")) == 2
+    never = subprocess.run(cmd + ["--resume", "never"], cwd=root, env=env, capture_output=True, text=True,
+                           timeout=120)
+    assert never.returncode == 2 and "already holds a sweep" in never.stderr

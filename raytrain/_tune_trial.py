@@ -1,0 +1,259 @@
+"""TRIAL side of a sweep: the function Ray Tune runs once per trial.
+
+Each trial trains in its own directory under the sweep directory and continues from its newest
+raytrain checkpoint there when Tune restarts it (driver restore, PBT). Tune is told the
+checkpoint's path in every result; under PBT it also gets a pointer checkpoint (one small JSON
+file naming raytrain's checkpoint), so no second copy of the weights is made per evaluation.
+One-worker trials train in this process; more workers run a Ray Train TorchTrainer from here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import logging
+import os
+import traceback
+from typing import Any, Callable
+
+from .args import TrainingArguments, apply_overrides
+from .callbacks import TrainerCallback
+
+logger = logging.getLogger(__name__)
+
+POINTER = "raytrain_checkpoint.json"
+CKPT_KEY = "raytrain_checkpoint"
+
+
+def trial_dirname(trial) -> str:
+    return f"trial_{trial.trial_id}"
+
+
+def trial_args(args: TrainingArguments, params: dict[str, Any], output_dir: str, metric: str | None,
+               mode: str | None) -> TrainingArguments:
+    """The trial's arguments: the base with the trial's (non model.*) parameters, its own output_dir,
+    and, when the objective is one metric, rotation that keeps the best checkpoint by that metric."""
+    sets = [f"{k}={v}" for k, v in params.items() if not k.startswith("model.")]
+    d = apply_overrides(args.to_dict(), sets)
+    d.update(output_dir=output_dir, overwrite_output_dir=True, disable_tqdm=True)
+    if metric and mode in ("min", "max") and d.get("metric_for_best_model") is None:
+        d.update(metric_for_best_model=metric, greater_is_better=mode == "max")
+    return TrainingArguments.from_dict(d)
+
+
+def objectives(compute_objective: Callable, metrics: dict, n: int) -> dict[str, float]:
+    value = compute_objective(metrics)
+    if n == 1:
+        return {"objective": float(value)}
+    if not isinstance(value, (list, tuple)) or len(value) != n:
+        raise ValueError(f"compute_objective must return {n} values (one per direction), got {value!r}")
+    return {f"objective_{i}": float(v) for i, v in enumerate(value)}
+
+
+def _plain(metrics: dict) -> dict:
+    out = {}
+    for k, v in metrics.items():
+        if hasattr(v, "item"):
+            v = v.item()
+        if isinstance(v, (int, float, str, bool)):
+            out[k] = v
+    return out
+
+
+class _Reporter(TrainerCallback):
+    """loop.py's `trial`: each evaluation becomes one Tune result (the worker never imports ray.tune).
+    It is also a callback, to learn the run's max_steps (a result below it was stopped early)."""
+
+    def __init__(self, compute_objective: Callable, n_objectives: int, pointer: bool = False):
+        self.compute_objective, self.n, self.pointer = compute_objective, n_objectives, pointer
+        self.max_steps = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.max_steps = state.max_steps
+
+    def result(self, metrics: dict, step: int, checkpoint_dir: str | None) -> dict:
+        return {**_plain(metrics), **objectives(self.compute_objective, metrics, self.n), "step": step,
+                "max_steps": self.max_steps, CKPT_KEY: os.path.abspath(checkpoint_dir) if checkpoint_dir else ""}
+
+    def report(self, metrics: dict, step: int, checkpoint_dir: str | None = None) -> None:
+        from ray import tune
+
+        result = self.result(metrics, step, checkpoint_dir)
+        checkpoint = None
+        if self.pointer and checkpoint_dir:
+            # PBT clones trials through Tune checkpoints: hand it a pointer, not the weights.
+            where = os.path.join(os.path.dirname(os.path.abspath(checkpoint_dir)), ".tune-pointer")
+            os.makedirs(where, exist_ok=True)
+            with open(os.path.join(where, POINTER), "w") as f:
+                json.dump({"path": result[CKPT_KEY], "step": step}, f)
+            checkpoint = tune.Checkpoint.from_directory(where)
+        tune.report(result, checkpoint=checkpoint)
+
+
+class _WorkerReporter(_Reporter):
+    """In a Ray Train worker of a distributed trial: every rank reports (Ray Train requires it);
+    the trial's _ToTune callback forwards rank 0's result to Tune. It carries the trial's MLflow
+    variables (its child run) to the workers, which do not inherit the trial's environment."""
+
+    _ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID")
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.env = {k: os.environ[k] for k in self._ENV if k in os.environ}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        os.environ.update(self.env)  # unpickled on the worker before MLflowCallback starts its run
+
+    def report(self, metrics: dict, step: int, checkpoint_dir: str | None = None) -> None:
+        import ray.train
+
+        ray.train.report(self.result(metrics, step, checkpoint_dir))
+
+
+class _RestoreTrialParams(TrainerCallback):
+    """After PBT restores a checkpoint of another trial, the mutated learning rate must win over
+    the restored optimizer/scheduler state."""
+
+    def __init__(self, args):
+        self.lr = args.learning_rate
+
+    def on_train_begin(self, args, state, control, optimizer=None, lr_scheduler=None, **kwargs):
+        if lr_scheduler is not None and hasattr(lr_scheduler, "base_lrs"):
+            factor = [g["lr"] / b if b else 1.0 for g, b in zip(optimizer.param_groups, lr_scheduler.base_lrs)]
+            lr_scheduler.base_lrs = [self.lr] * len(lr_scheduler.base_lrs)
+            for g, f in zip(optimizer.param_groups, factor):
+                g["lr"] = self.lr * f
+                g["initial_lr"] = self.lr
+
+
+def _resume_point(trial_dir: str) -> tuple[str | None, bool]:
+    """(checkpoint to continue, whether it is another trial's). PBT's exploit hands this trial a
+    pointer into another trial's directory: that wins. Otherwise this trial's newest complete
+    checkpoint (after a driver restore it may be newer than the last one Tune heard of)."""
+    from ray import tune
+
+    from .checkpoint import get_last_checkpoint
+
+    restored = tune.get_checkpoint()
+    if restored is not None:
+        with restored.as_directory() as d:
+            with open(os.path.join(d, POINTER)) as f:
+                path = json.load(f)["path"]
+        if os.path.dirname(path) != trial_dir:
+            if not os.path.isdir(path):
+                raise FileNotFoundError(f"PBT: the checkpoint to clone, {path}, was rotated away; "
+                                        "raise save_total_limit")
+            return path, True
+    return (get_last_checkpoint(trial_dir) if os.path.isdir(trial_dir) else None), False
+
+
+def run_trial(config: dict[str, Any], spec: dict[str, Any]) -> None:
+    """The per-trial function (tune.with_parameters passes `spec` through the object store). Its
+    output goes to <trial dir>/trial.log unless the sweep shows trial logs on the console."""
+    from ray import tune
+
+    trial_dir = os.path.join(spec["sweep_dir"], f"trial_{tune.get_context().get_trial_id()}")
+    if spec["show_trial_logs"]:
+        return _run_trial(config, spec, trial_dir)
+    os.makedirs(trial_dir, exist_ok=True)
+    with open(os.path.join(trial_dir, "trial.log"), "a", buffering=1) as log:
+        handler = logging.StreamHandler(log)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        package = logging.getLogger("raytrain")
+        package.addHandler(handler)
+        package.setLevel(logging.INFO)
+        try:
+            with contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+                return _run_trial(config, spec, trial_dir)
+        except BaseException:
+            log.write(traceback.format_exc())
+            raise
+        finally:
+            package.removeHandler(handler)
+
+
+def _run_trial(config: dict[str, Any], spec: dict[str, Any], trial_dir: str) -> None:
+    from ray import tune
+
+    from .seeding import set_seed
+    from .trainer import Trainer
+
+    ctx = tune.get_context()
+    trial_id = ctx.get_trial_id()
+    args = trial_args(spec["args"], config, trial_dir, spec["metric"], spec["mode"])
+    set_seed(args.seed, args.full_determinism)  # a trial's initial weights follow the seed too
+    if spec.get("mlflow"):
+        from .sweep_tracking import start_child_run
+        start_child_run(spec["mlflow"], trial_id, config)
+    model = _call_model_init(spec["model_init"], config)
+    trainer = Trainer(model=model, args=args, callbacks=copy.deepcopy(spec["callbacks"]), **spec["trainer_kwargs"])
+    trainer._trial_name = ctx.get_trial_name()
+    trainer._trial_params = dict(config)
+    resume, cloned = _resume_point(trial_dir)
+    if cloned:
+        logger.warning("PBT: continuing from %s with learning_rate=%r", resume, args.learning_rate)
+        trainer.add_callback(_RestoreTrialParams(args))
+    n = len(spec["directions"])
+    if args.scaling.num_workers > 1:
+        _run_distributed(trainer, resume, _WorkerReporter(spec["compute_objective"], n), trial_id)
+        return
+    reporter = _Reporter(spec["compute_objective"], n, pointer=spec["scheduler"] == "pbt")
+    trainer.add_callback(reporter)
+    trainer.train(resume_from_checkpoint=resume, trial=reporter)
+
+
+def _run_distributed(trainer, resume: str | None, reporter: _WorkerReporter, trial_id: str) -> None:
+    """Ray Train v2's Tune integration: a TorchTrainer started from the trial function, its worker
+    results forwarded to Tune by a callback; FailureConfig restarts workers from the trial's
+    newest checkpoint (its output_dir, which _ray_worker finds after a restart)."""
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from . import _ray_worker
+    from .launch import _RaytrainTorchConfig, _worker_error
+
+    args = trainer.args
+    scaling = args.scaling
+    torch_trainer = TorchTrainer(
+        _ray_worker.train_loop_per_worker,
+        train_loop_config={"trainer": _ray_worker.pickle_trainer(trainer, copy.deepcopy(args)),
+                           "resume_from_checkpoint": resume, "run": f"trial-{trial_id}-{os.urandom(4).hex()}",
+                           "trial": reporter},
+        scaling_config=ScalingConfig(num_workers=scaling.num_workers, use_gpu=scaling.use_gpu,
+                                     resources_per_worker=scaling.resources_per_worker,
+                                     placement_strategy=scaling.placement_strategy),
+        run_config=RunConfig(name="ray_train", storage_path=args.output_dir,
+                             failure_config=FailureConfig(max_failures=scaling.max_failures),
+                             callbacks=[_to_tune_callback()]),
+        torch_config=_RaytrainTorchConfig(),
+    )
+    try:
+        torch_trainer.fit()
+    except Exception as e:
+        raise _worker_error(e) from e
+
+
+def _to_tune_callback():
+    from ray.tune.integration.ray_train import TuneReportCallback
+
+    class _ToTune(TuneReportCallback):
+        """Forward rank 0's evaluation results only (raytrain reports nothing else from a trial)."""
+
+        def after_report(self, run_context, metrics, checkpoint):
+            if metrics and any(k == "objective" or k.startswith("objective_") for k in metrics[0]):
+                self._training_actor_item_queue.put(dict(metrics[0]))
+
+    return _ToTune()
+
+
+def _call_model_init(model_init: Callable, config: dict[str, Any]):
+    """model_init(**model.* params) if it takes keywords, model_init(config) (HF's Ray backend) if it
+    takes one argument, else model_init()."""
+    import inspect
+
+    params = inspect.signature(model_init).parameters.values()
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return model_init(**{k.split(".", 1)[1]: v for k, v in config.items() if k.startswith("model.")})
+    return model_init(config) if len(params) == 1 else model_init()

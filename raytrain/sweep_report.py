@@ -1,0 +1,181 @@
+"""What a sweep shows: one status line per trial event while it runs; at the end the trials table
+(printed, trials.csv, BestRun.run_summary), Optuna's HTML plots and a PNG of every trial's objective."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from ray.tune import Callback
+
+from ._tune_trial import CKPT_KEY
+
+logger = logging.getLogger(__name__)
+
+
+def _fmt(v: Any) -> str:
+    return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+
+def _params(config: dict) -> str:
+    return " ".join(f"{k}={_fmt(v)}" for k, v in sorted(config.items()))
+
+
+def error_line(text: str | None) -> str:
+    """The last non-empty line of a traceback: the exception and its message."""
+    lines = [ln.strip() for ln in (text or "").splitlines() if ln.strip()]
+    return lines[-1][:300] if lines else "unknown error"
+
+
+def read_trial_error(trial) -> str:
+    path = getattr(trial, "error_file", None) or ""
+    local = os.path.join(trial.local_path, os.path.basename(path)) if path else ""
+    for p in (path, local):
+        if p and os.path.isfile(p):
+            with open(p) as f:
+                return error_line(f.read())
+    return "unknown error"
+
+
+class StatusLines(Callback):
+    """One line on the driver per trial event: started / reported / stopped early / finished / failed."""
+
+    def __init__(self, objective_keys: list[str], tracker=None):
+        self.keys = objective_keys
+        self.tracker = tracker
+
+    def _say(self, trial, text: str) -> None:
+        print(f"[sweep] trial {trial.trial_id} {text}", flush=True)
+
+    def _objective(self, result: dict | None) -> str:
+        result = result or {}
+        return " ".join(f"{k}={_fmt(result[k])}" for k in self.keys if k in result)
+
+    def on_trial_start(self, iteration, trials, trial, **info):
+        self._say(trial, f"started {_params(trial.config)}")
+
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        self._say(trial, f"reported step {result.get('step')}: {self._objective(result)}")
+
+    def on_trial_complete(self, iteration, trials, trial, **info):
+        last = trial.last_result or {}
+        step, max_steps = last.get("step"), last.get("max_steps")
+        early = step is not None and max_steps and step < max_steps
+        what = f"stopped early at step {step}/{max_steps}" if early else f"finished at step {step}"
+        self._say(trial, f"{what}: {self._objective(last)}")
+        if self.tracker is not None:
+            self.tracker.end_child(trial.trial_id, "KILLED" if early else "FINISHED",
+                                   "stopped_early" if early else "finished")
+
+    def on_trial_error(self, iteration, trials, trial, **info):
+        error = read_trial_error(trial)
+        self._say(trial, f"failed: {error}")
+        if self.tracker is not None:
+            self.tracker.end_child(trial.trial_id, "FAILED", "failed", error)
+
+
+def trials_table(grid, param_names: list[str], objective_keys: list[str], modes: list[str]):
+    """One row per trial: id, parameters, objective(s) (each trial's best report), status, steps,
+    wall time, the best report's checkpoint and the error line of a failed trial."""
+    import pandas as pd
+
+    rows = []
+    for r in grid:
+        trial_id = os.path.basename(r.path).removeprefix("trial_")
+        df = r.metrics_dataframe
+        row: dict[str, Any] = {"trial_id": trial_id}
+        row.update({name: (r.config or {}).get(name) for name in param_names})
+        last = r.metrics or {}
+        best = None
+        if df is not None and len(df) and objective_keys[0] in df:
+            scored = df.dropna(subset=[objective_keys[0]])
+            if len(scored):
+                key = objective_keys[0]
+                best = scored.loc[scored[key].idxmax() if modes[0] == "max" else scored[key].idxmin()]
+        for k in objective_keys:
+            row[k] = float(best[k]) if best is not None and k in best else float("nan")
+        if r.error:
+            status = "failed"
+        else:
+            early = last.get("step") is not None and last.get("max_steps") and last["step"] < last["max_steps"]
+            status = "stopped early" if early else "finished"
+        row["status"] = status
+        row["steps"] = int(last.get("step") or 0)
+        row["wall_time_s"] = round(float(last.get("time_total_s") or 0.0), 2)
+        ckpt = best.get(CKPT_KEY) if best is not None else None
+        row["checkpoint"] = ckpt if isinstance(ckpt, str) and ckpt and os.path.isdir(ckpt) else ""
+        row["error"] = error_line(str(r.error)) if r.error else ""
+        rows.append(row)
+    return pd.DataFrame(rows).sort_values("trial_id", ignore_index=True) if rows else pd.DataFrame(rows)
+
+
+def print_table(df) -> None:
+    show = df.drop(columns=["checkpoint"]).copy()
+    with __import__("pandas").option_context("display.max_columns", None, "display.width", 200,
+                                             "display.max_colwidth", 60):
+        print(show.to_string(index=False, float_format=lambda v: f"{v:.4g}"), flush=True)
+
+
+def write_plots(sweep_dir: str, grid, objective_keys: list[str], study=None) -> list[str]:
+    """Optuna's HTML plots (when a study exists) and objective-over-steps.png; returns the files."""
+    written = []
+    if study is not None:
+        written += _optuna_plots(sweep_dir, study, objective_keys)
+    path = os.path.join(sweep_dir, "objective_over_steps.png")
+    try:
+        _curves_png(path, grid, objective_keys[0])
+        written.append(path)
+    except Exception as e:  # a plot must never fail a finished sweep
+        logger.warning("objective_over_steps.png: %s", e)
+    return written
+
+
+def _optuna_plots(sweep_dir: str, study, objective_keys: list[str]) -> list[str]:
+    from optuna import visualization as vis
+    from optuna.trial import TrialState
+
+    complete = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE]
+    if not complete:
+        return []
+    multi = len(study.directions) > 1
+    target = {"target": (lambda t: t.values[0]), "target_name": objective_keys[0]} if multi else \
+        {"target_name": "objective"}
+    plots = {"optimization_history": lambda: vis.plot_optimization_history(study, **target),
+             "param_importances": lambda: vis.plot_param_importances(study, **target),
+             "parallel_coordinate": lambda: vis.plot_parallel_coordinate(study, **target)}
+    if multi:
+        plots["pareto_front"] = lambda: vis.plot_pareto_front(study, target_names=objective_keys)
+    written = []
+    for name, make in plots.items():
+        path = os.path.join(sweep_dir, f"{name}.html")
+        try:
+            # plotly.js is written once next to the plots: they open offline.
+            make().write_html(path, include_plotlyjs="directory")
+            written.append(path)
+        except Exception as e:  # e.g. importances need two finished trials that differ
+            logger.warning("%s.html not written: %s", name, error_line(str(e)))
+    return written
+
+
+def _curves_png(path: str, grid, key: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in grid:
+        df = r.metrics_dataframe
+        if df is None or key not in df or "step" not in df:
+            continue
+        df = df.dropna(subset=[key])
+        ax.plot(df["step"], df[key], marker=".", label=os.path.basename(r.path).removeprefix("trial_"))
+    ax.set_xlabel("training step")
+    ax.set_ylabel(key)
+    ax.set_title("objective of every trial over training steps")
+    if len(grid) <= 12:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,73 @@
+"""A sweep whose driver is SIGKILLed continues with the same command (Tuner.restore + the Optuna study in
+SQLite): finished trials are not rerun, running ones continue from their checkpoints, n_trials in total."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pandas as pd
+import pytest
+
+pytestmark = pytest.mark.ray
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _driver(out, mode, env):
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "_sweep_driver.py"), str(out), mode],
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_sigkilled_driver_resumes_without_rerunning_finished_trials(ray_cluster, tmp_path):
+    import optuna
+
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address,
+           "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")])}
+    out, sweep = tmp_path / "out", tmp_path / "out" / "sweeps" / "restore"
+    proc = _driver(out, "fresh", env)
+    lines: list[tuple[float, str]] = []
+    reader = threading.Thread(target=lambda: [lines.append((time.monotonic(), ln)) for ln in proc.stdout], daemon=True)
+    reader.start()
+
+    def events(word):
+        return {ln.split()[2]: t for t, ln in list(lines) if ln.startswith("[sweep] trial ") and f" {word} " in ln}
+
+    # Kill once the first two trials have finished and a third is part-way (it reported, with a checkpoint).
+    deadline = time.monotonic() + 400
+    while time.monotonic() < deadline and proc.poll() is None:
+        done, reported = events("finished"), events("reported")
+        if len(done) >= 2 and set(reported) - set(done):
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, "the sweep ended before it could be killed:\n" + "".join(ln for _, ln in lines)
+    time.sleep(1.5)  # Tune saves its state at most once a second (TUNE_GLOBAL_CHECKPOINT_S=1)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    reader.join(5)
+    killed_at = time.monotonic()
+    finished = {tid for tid, t in events("finished").items() if killed_at - t > 1.5}
+    part_way = set(events("reported")) - set(events("finished"))
+    assert finished and part_way, "".join(f"{t - killed_at:.1f} {ln}" for t, ln in lines)
+    results = {tid: (sweep / f"trial_{tid}" / "result.json").read_bytes() for tid in finished}
+
+    again = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "_sweep_driver.py"), str(out), "resume"],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert "[sweep] resuming" in again.stdout
+    started = {ln.split()[2] for ln in again.stdout.splitlines() if ln.startswith("[sweep] trial ") and " started " in ln}
+    assert not started & finished  # finished trials are not rerun ...
+    assert all((sweep / f"trial_{t}" / "result.json").read_bytes() == b for t, b in results.items())  # ... or touched
+    table = pd.read_csv(sweep / "trials.csv", dtype={"trial_id": str})
+    assert len(table) == 4 and set(finished) <= set(table["trial_id"])
+    assert (table["status"] == "finished").all() and (table["steps"] == 40).all()
+    # A trial killed part-way continued from its checkpoint rather than from step 0.
+    resumed = [t for t in part_way & started if "resumed from" in (sweep / f"trial_{t}" / "trial.log").read_text()]
+    assert resumed, [(sweep / f"trial_{t}" / "trial.log").read_text()[-1500:] for t in part_way]
+    study = optuna.load_study(study_name="restore", storage=f"sqlite:///{sweep / 'optuna.db'}")
+    assert len(study.trials) == 4
+    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
