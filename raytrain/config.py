@@ -1,0 +1,247 @@
+"""Configuration machinery: ConfigError, the pydantic base whose errors are one line, the
+TrainingArguments sections (model, data, scaling, distributed), YAML-typed overrides, and the
+translation of pydantic's errors into 'FIELD: must be ..., got VALUE'."""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import json
+import re
+from typing import Any, Literal, get_args, get_origin
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+_NUMERIC = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
+_IMPORT_STRING = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+class ConfigError(ValueError):
+    """A configuration problem, described in one line."""
+
+
+class _Config(BaseModel):
+    """Base of every config model: pydantic's errors become one-line ConfigErrors."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    def __init__(self, __text: str | None = None, **data: Any) -> None:
+        if __text is not None:  # a section from a command line (HfArgumentParser): 'k=v,k2=v2' or JSON
+            data = {**_parse_section_text(type(self), __text), **data}
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            raise ConfigError(_first_error(type(self), e)) from None
+
+    # Same as BaseModel.__init__ to pydantic, so nested sections validate without it.
+    __init__.__pydantic_base_init__ = True  # type: ignore[attr-defined]
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        forbid = self.model_config.get("extra") == "forbid"
+        if forbid and not name.startswith("_") and name not in type(self).model_fields:
+            raise ConfigError(_unknown_field(type(self), name))
+        before = dict(self.__dict__)
+        try:
+            super().__setattr__(name, value)
+        except ValidationError as e:
+            self.__dict__.update(before)  # pydantic leaves the failed value in place
+            raise ConfigError(_first_error(type(self), e)) from None
+
+
+class _FactorySection(_Config):
+    """A section whose extra keys are keyword arguments for its factory."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        """The extra keys, passed to the factory as keyword arguments."""
+        return dict(self.model_extra or {})
+
+    @field_validator("factory", "collator", "compute_metrics", check_fields=False)
+    @classmethod
+    def _check_import_string(cls, value: str | None) -> str | None:
+        if value is not None and not _IMPORT_STRING.match(value):
+            raise ValueError(f"expected an import string 'package.module:function', got {value!r}")
+        return value
+
+
+class ModelConfig(_FactorySection):
+    """How to build the model: factory(**kwargs)."""
+
+    factory: str = Field(description="import string 'package.module:function' that builds the model")
+
+
+class DataConfig(_FactorySection):
+    """Where the datasets, collator and metrics come from."""
+
+    factory: str | None = Field(None, description="import string of a function returning the datasets")
+    collator: str | None = Field(None, description="import string of the batch collator")
+    compute_metrics: str | None = Field(
+        None, description="import string of compute_metrics(EvalPrediction) -> dict"
+    )
+
+
+class ScalingConfig(_Config):
+    """How many Ray Train workers and what each one gets."""
+
+    num_workers: int = Field(1, ge=1, description="number of training workers (processes)")
+    use_gpu: bool = Field(False, description="give each worker a GPU")
+    resources_per_worker: dict[str, float] | None = Field(
+        None, description="Ray resources per worker, e.g. {CPU: 4, GPU: 1}"
+    )
+    placement_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        "PACK", description="how Ray places the workers on nodes"
+    )
+    max_failures: int = Field(
+        0, ge=-1, description="restarts from the last checkpoint after a worker failure; -1 retries forever"
+    )
+    storage_path: str | None = Field(None, description="where Ray stores checkpoints and results (local path or URI)")
+
+
+class DistributedConfig(_Config):
+    """Which distributed backend wraps the model, and its options."""
+
+    strategy: Literal["auto", "ddp", "fsdp", "deepspeed"] = Field(
+        "auto", description="distributed backend; auto picks ddp for several workers, else single process"
+    )
+    fsdp: dict[str, Any] = Field(default_factory=dict, description="FSDP options (free-form)")
+    deepspeed: dict[str, Any] | str | None = Field(
+        None, description="DeepSpeed config as a mapping or a path to a JSON file"
+    )
+
+
+def _parse_section_text(cls: type, text: str) -> dict[str, Any]:
+    text = text.strip()
+    if text.startswith("{"):
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{cls.__name__}: expected 'key=value,key2=value2' or a JSON object, got "
+                              f"{_value(text)} ({e.msg})") from None
+        if isinstance(value, dict):
+            return value
+    pairs = _parse_pairs(text)
+    if pairs is None:
+        raise ConfigError(f"{cls.__name__}: expected 'key=value,key2=value2' or a JSON object, got {_value(text)}")
+    return pairs
+
+
+def _parse_pairs(text: str) -> dict[str, Any] | None:
+    """'k=v,k2=v2' as a mapping with YAML-typed values; None when it is not of that form."""
+    out = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            return None
+        out[key.strip()] = _parse_scalar(value.strip())
+    return out
+
+
+# --- overrides ---------------------------------------------------------------------------
+
+
+def _parse_scalar(text: str) -> Any:
+    """A YAML value; numeric strings YAML leaves alone ("3e-4") become floats."""
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
+    if isinstance(value, str) and _NUMERIC.match(value.strip()):
+        return float(value)
+    return value
+
+
+def apply_overrides(d: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """A copy of d with each "a.b.c=value" applied, creating nested sections as needed."""
+    out = copy.deepcopy(d)
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"--set expects key=value, got {item!r}")
+        *parents, leaf = key.strip().split(".")
+        node = out
+        for i, part in enumerate(parents):
+            if node.get(part) is None:
+                node[part] = {}
+            if not isinstance(node[part], dict):
+                section = ".".join(parents[: i + 1])
+                raise ConfigError(f"--set {item!r}: {section!r} is not a section (it is {node[part]!r})")
+            node = node[part]
+        node[leaf] = _parse_scalar(value)
+    return out
+
+
+# --- error translation -----------------------------------------------------------------
+
+_EXPECTED = {
+    "int_parsing": "an integer", "int_type": "an integer", "int_from_float": "an integer",
+    "float_parsing": "a number", "float_type": "a number",
+    "bool_parsing": "true or false", "bool_type": "true or false",
+    "string_type": "a string", "list_type": "a list",
+    "dict_type": "a mapping", "model_type": "a mapping", "model_attributes_type": "a mapping",
+}
+
+
+def _value(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _num(v: float | None) -> Any:
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+def _unknown_field(root: type[BaseModel], name: str) -> str:
+    # TrainingArguments' schema offers every dotted name (sections included) to match against.
+    names = root.field_names() if hasattr(root, "field_names") else list(root.model_fields)
+    match = difflib.get_close_matches(name, names, n=1)
+    if match:
+        return f"unknown field {name!r}: did you mean {match[0]!r}?"
+    return f"unknown field {name!r} (see --help for valid fields)"
+
+
+def _is_model(annotation: Any) -> bool:
+    return isinstance(annotation, type) and get_origin(annotation) is None and issubclass(annotation, BaseModel)
+
+
+def _path(root: type[BaseModel], loc: tuple) -> list[str]:
+    """The field names in loc, dropping pydantic's union-member tags and dict keys."""
+    parts, model = [], root
+    for item in loc:
+        if model is None or item not in model.model_fields:
+            break
+        parts.append(item)
+        ann = model.model_fields[item].annotation
+        model = next((a for a in (ann, *get_args(ann)) if _is_model(a)), None)
+    return parts
+
+
+def _first_error(root: type[BaseModel], exc: ValidationError) -> str:
+    """pydantic's first error as one line: 'FIELD: must be/expected ..., got VALUE'."""
+    errors = exc.errors()
+    err = errors[0]
+    kind, ctx = err["type"], err.get("ctx", {})
+    parts = _path(root, err["loc"])
+    if kind == "extra_forbidden":
+        return _unknown_field(root, ".".join([*parts, str(err["loc"][-1])]))
+    field = ".".join(parts) or "config"
+    if kind == "value_error":
+        cause = ctx.get("error")
+        return str(cause) if isinstance(cause, ConfigError) else f"{field}: {cause}"
+    if kind == "missing":
+        return f"{field}: must be set"
+    if kind == "literal_error":
+        choices = ", ".join(re.findall(r"'([^']*)'", ctx["expected"]))
+        return f"{field}: must be one of {choices}, got {_value(err['input'])}"
+    bounds = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
+    if kind in bounds:
+        limit = _num(next(iter(ctx.values())))
+        return f"{field}: must be {bounds[kind]} {limit}, got {_value(err['input'])}"
+    # A union fails once per member: list every expected type at this field.
+    same = [e for e in errors if _path(root, e["loc"]) == parts]
+    expected = list(dict.fromkeys(_EXPECTED.get(e["type"], e["msg"].lower()) for e in same))
+    if "a number" in expected and "an integer" in expected:
+        expected.remove("an integer")
+    return f"{field}: expected {' or '.join(expected)}, got {_value(err['input'])}"
