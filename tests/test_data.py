@@ -20,7 +20,7 @@ from tests.tiny import StopAt
 from raytrain import Trainer, TrainingArguments
 from raytrain.data import (DataError, DataFileNotFoundError, Files, MapSource, build_source, model_inputs,
                            plan_epoch, trainer_datasets)
-from raytrain.data_files import StreamSource
+from raytrain.data_stream import StreamSource
 
 N = 103
 
