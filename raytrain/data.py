@@ -406,9 +406,10 @@ def build_source(data: Any, batch_size: int, *, seed: int = 0, shuffle: bool = T
         spec = data if isinstance(data, Files) else Files(data)
         wanted = _projection(columns) if collate_fn is None else None
         source = files_source(spec, batch_size, columns=wanted, prefetch_batches=prefetch_batches, **kw)
+    elif _is_ray(data) or type(data).__name__ in ("RayData", "RayBlocks"):
+        from .data_ray import ray_source
+        source = ray_source(data, batch_size, prefetch_batches=prefetch_batches, **kw)
     else:
-        if _is_ray(data):
-            data = ray_to_columns(data, name)
         source = MapSource(data, batch_size, prefetch_batches=prefetch_batches or 0, **kw)
     check_columns(source, columns, collate_fn)
     return source
@@ -424,32 +425,6 @@ def _is_arrow_table(data) -> bool:
 
 def _is_ray(data) -> bool:
     return type(data).__module__.startswith("ray.data")
-
-
-def ray_to_columns(data: Any, name: str = "dataset") -> Columns:
-    """Execute a ray.data Dataset (in order) or drain a DataIterator into columns."""
-    import pyarrow as pa
-    import ray.data
-
-    from .data_files import table_to_numpy
-    what = "ray Dataset"
-    if isinstance(data, ray.data.DataIterator):
-        base = getattr(data, "_base_dataset", None)  # a whole dataset's iterator; a split has none
-        if base is None:
-            raise DataError(f"{name}: this ray DataIterator is one worker's split ({type(data).__name__}), whose "
-                            "rows depend on timing; give TorchTrainer dataset_config=trainer_datasets(...)[1] so "
-                            "every worker gets all rows and raytrain shards them deterministically")
-        data, what = base, "ray DataIterator"
-    if isinstance(data, ray.data.Dataset):
-        data = ray.data.Dataset.copy(data, _deep_copy=True)
-        data.context.execution_options.preserve_order = True
-    else:
-        raise DataError(f"{name}: a {type(data).__name__} is not accepted; pass a ray.data.Dataset")
-    tables = list(data.iter_batches(batch_size=None, batch_format="pyarrow"))
-    if not tables or sum(t.num_rows for t in tables) == 0:
-        raise DataError(f"{name} ({what}): the dataset is empty (0 rows)")
-    table = pa.concat_tables(tables, promote_options="default")
-    return Columns(table_to_numpy(table, name, what), name, what)
 
 
 def trainer_datasets(datasets: Mapping[str, Any]):
