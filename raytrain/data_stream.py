@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from .data import DataError, _as_column, _column_type, _rng, _timed, plan_epoch, rank_span
-from .data_files import _apply, _concat
+from .data_files import _apply
 
 #: Seconds a window may take to load before the run fails naming what it was reading (not a silent hang).
 DATA_TIMEOUT_ENV = "RAYTRAIN_DATA_TIMEOUT_S"
@@ -111,7 +111,9 @@ class StreamSource:
             j += 1
         perm = _rng(self.seed, epoch, 2, self.world_size, self.rank, k).permutation(whi - wlo) \
             if self.shuffle else None
-        return wlo, _concat(parts), perm
+        # The parts stay as read (for Ray blocks: views of the object store, no copy); batches gather from them.
+        bounds = np.concatenate([[0], np.cumsum([len(next(iter(p.values()))) if p else 0 for p in parts])])
+        return wlo, parts, bounds, perm
 
     def _window(self, epoch: int, k: int):
         """Window k of `epoch` (the one loaded ahead if it is that one), and start loading the next,
@@ -150,9 +152,9 @@ class StreamSource:
             if k != cur_k:
                 current = None  # free this window before the one after next is loaded
                 current, cur_k = self._window(epoch, k), k
-            wlo, cols, perm = current
+            wlo, parts, bounds, perm = current
             local = np.arange(lo - wlo, hi - wlo)
-            yield self._assemble(cols, perm[local] if perm is not None else local)
+            yield self._assemble(_gather(parts, bounds, perm[local] if perm is not None else local))
 
     # -- reading
     def _read(self, blk, lo: int, hi: int) -> dict[str, np.ndarray]:
@@ -161,16 +163,18 @@ class StreamSource:
             cols = _apply(self.preprocess, cols, self.name, self.reader.describe(blk))
         return {k: v for k, v in cols.items() if k in self.keep} if self.keep is not None else cols
 
-    def _assemble(self, cols: dict[str, np.ndarray], idx: np.ndarray):
+    def _assemble(self, cols: dict[str, np.ndarray]):
+        """A batch from gathered rows: tensors (numeric columns) or lists, or what collate_fn makes of them."""
         if self.collate_fn is not None:
-            return self.collate_fn([{k: v[i] for k, v in cols.items()} for i in idx])
-        return {k: torch.from_numpy(v[idx]) if v.dtype != object and v.dtype.kind in "biuf" else list(v[idx])
+            n = len(next(iter(cols.values())))
+            return self.collate_fn([{k: v[i] for k, v in cols.items()} for i in range(n)])
+        return {k: torch.from_numpy(v) if v.dtype != object and v.dtype.kind in "biuf" else list(v)
                 for k, v in cols.items()}
 
     # -- the source interface
     def sample_batch(self):
         n = len(next(iter(self._sample.values())))
-        return self._assemble(self._sample, np.arange(n))
+        return self._assemble({k: v[np.arange(n)] for k, v in self._sample.items()})
 
     def raw_columns(self) -> list[str]:
         return list(self.all_columns) if self.all_columns is not None else list(self._sample)
@@ -191,3 +195,26 @@ class StreamSource:
                 "drop_last": self.drop_last, "buffer_rows": self.buffer_rows, "window_rows": self.window_rows,
                 "num_blocks": len(self.blocks)}
 
+
+
+def _gather(parts: list[dict[str, np.ndarray]], bounds: np.ndarray, idx: np.ndarray) -> dict[str, np.ndarray]:
+    """Rows `idx` (window positions) from the window's parts, in that order, copying only those rows."""
+    if len(parts) == 1:
+        return {k: v[idx] for k, v in parts[0].items()}
+    which = np.searchsorted(bounds, idx, side="right") - 1
+    out = {}
+    for k in parts[0]:
+        cols = [p[k] for p in parts]
+        if len({(c.dtype, c.shape[1:]) for c in cols}) == 1:
+            res = np.empty((len(idx),) + cols[0].shape[1:], dtype=cols[0].dtype)
+        else:  # row shapes differ between parts: rows as objects
+            res = np.empty(len(idx), dtype=object)
+        for p in np.unique(which):
+            sel = which == p
+            rows = cols[p][idx[sel] - bounds[p]]
+            if res.dtype == object and rows.dtype != object:
+                res[np.flatnonzero(sel)] = list(rows)
+            else:
+                res[sel] = rows
+        out[k] = res
+    return out
