@@ -18,6 +18,7 @@ window is batched while the next is loaded in the background: memory is about tw
 
 from __future__ import annotations
 
+import ctypes
 import os
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -27,10 +28,25 @@ import numpy as np
 import torch
 
 from .data import DataError, _as_column, _column_type, _rng, _timed, plan_epoch, rank_span
-from .data_files import _apply
+from .data_files import _apply, _concat
 
 #: Seconds a window may take to load before the run fails naming what it was reading (not a silent hang).
 DATA_TIMEOUT_ENV = "RAYTRAIN_DATA_TIMEOUT_S"
+
+
+def _trim() -> None:
+    """Hand freed heap memory back to the OS (glibc keeps a freed window's pages resident otherwise)."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim: Any = None
 
 
 def data_timeout_s(value: float | None = None) -> float:
@@ -72,7 +88,8 @@ class StreamSource:
         row_bytes = max(1, nbytes // self.num_samples)
         self.buffer_rows = max(1, buffer_bytes // row_bytes)  # from the data and settings: same on resume
         self.window_rows = max(1, self.buffer_rows // batch_size) * batch_size
-        self.num_windows = max(1, self.range_rows // self.window_rows)
+        # Windows by the batches' first rows (the last batch may be one row longer): the last may be short.
+        self.num_windows = (self._num_batches - 1) * batch_size // self.window_rows + 1
         self._ahead = None  # ((epoch, k), Future): the window being loaded next
         self._loader: ThreadPoolExecutor | None = None
         self.wait_s = 0.0
@@ -99,39 +116,45 @@ class StreamSource:
         return lo, self.range_rows if k == self.num_windows - 1 else lo + self.window_rows
 
     def _load_window(self, epoch: int, k: int):
+        """Window k's rows as read, in parts (one per block it touches), and its permutation."""
         order = self.block_order(epoch)
         starts = np.concatenate([[0], np.cumsum([self.blocks[i].num_rows for i in order])])
         wlo, whi = self._window_range(k)
         glo, ghi = self.range_start + wlo, self.range_start + whi  # positions in the epoch's stream
         j = int(np.searchsorted(starts, glo, side="right")) - 1
-        parts = []
+        pieces = []
         while j < len(order) and starts[j] < ghi:
-            blk = self.blocks[order[j]]
-            parts.append(self._read(blk, max(glo, starts[j]) - starts[j], min(ghi, starts[j + 1]) - starts[j]))
+            pieces.append((self.blocks[order[j]], max(glo, starts[j]) - starts[j], min(ghi, starts[j + 1]) - starts[j]))
             j += 1
+        many = getattr(self.reader, "read_many", None)  # Ray: one ray.get for all of the window's blocks
+        raw = many(pieces) if many is not None else [self.reader.read(*piece) for piece in pieces]
+        parts = [self._process(cols, piece[0]) for cols, piece in zip(raw, pieces)]
         perm = _rng(self.seed, epoch, 2, self.world_size, self.rank, k).permutation(whi - wlo) \
             if self.shuffle else None
-        # The parts stay as read (for Ray blocks: views of the object store, no copy); batches gather from them.
-        bounds = np.concatenate([[0], np.cumsum([len(next(iter(p.values()))) if p else 0 for p in parts])])
-        return wlo, parts, bounds, perm
+        return wlo, parts, perm
 
     def _window(self, epoch: int, k: int):
-        """Window k of `epoch` (the one loaded ahead if it is that one), and start loading the next,
-        which after an epoch's last window is the next epoch's first: a boundary never stalls."""
+        """Window k of `epoch` as one set of columns (the one loaded ahead if it is that one); then start
+        loading the next, which after an epoch's last window is the next epoch's first: a boundary never
+        stalls. The parts are joined here, after the previous window was let go, and the next load starts
+        after that: memory holds the window in use and the next one, about two windows."""
         key, fut = self._ahead if self._ahead is not None else (None, None)
         self._ahead = None
         if self._loader is None:  # one thread per source (one malloc arena); it ends with the source
             self._loader = ThreadPoolExecutor(1, thread_name_prefix="raytrain-window")
         if key != (epoch, k):
             fut = self._loader.submit(self._load_window, epoch, k)
-        nxt = (epoch, k + 1) if k + 1 < self.num_windows else (epoch + 1, 0)
-        self._ahead = (nxt, self._loader.submit(self._load_window, *nxt))
         try:
-            return fut.result(timeout=self.timeout_s)
+            wlo, parts, perm = fut.result(timeout=self.timeout_s)
         except FutureTimeout:
             raise DataError(f"{self.name} ({self.where}): no data for {self.timeout_s:.0f} s while reading window "
                             f"{k} of epoch {epoch} ({self._window_blocks(epoch, k)}); check that storage is "
                             f"reachable, or raise {DATA_TIMEOUT_ENV}") from None
+        cols = _concat(parts)
+        del parts, fut
+        nxt = (epoch, k + 1) if k + 1 < self.num_windows else (epoch + 1, 0)
+        self._ahead = (nxt, self._loader.submit(self._load_window, *nxt))
+        return wlo, cols, perm
 
     def _window_blocks(self, epoch: int, k: int) -> str:
         order = self.block_order(epoch)
@@ -148,17 +171,21 @@ class StreamSource:
         for b in range(start, self._num_batches):
             lo = b * self.batch_size
             hi = self.range_rows if b == self._num_batches - 1 else lo + self.batch_size
-            k = min(lo // self.window_rows, self.num_windows - 1)
+            k = lo // self.window_rows
             if k != cur_k:
-                current = None  # free this window before the one after next is loaded
+                current = None  # free this window before the next is joined and the one after is loaded
+                _trim()
                 current, cur_k = self._window(epoch, k), k
-            wlo, parts, bounds, perm = current
+            wlo, perm = current[0], current[2]  # no other name may hold the window past its switch
             local = np.arange(lo - wlo, hi - wlo)
-            yield self._assemble(_gather(parts, bounds, perm[local] if perm is not None else local))
+            idx = perm[local] if perm is not None else local
+            yield self._assemble({name: v[idx] for name, v in current[1].items()})
 
     # -- reading
     def _read(self, blk, lo: int, hi: int) -> dict[str, np.ndarray]:
-        cols = self.reader.read(blk, lo, hi)
+        return self._process(self.reader.read(blk, lo, hi), blk)
+
+    def _process(self, cols: dict[str, np.ndarray], blk) -> dict[str, np.ndarray]:
         if self.preprocess is not None:
             cols = _apply(self.preprocess, cols, self.name, self.reader.describe(blk))
         return {k: v for k, v in cols.items() if k in self.keep} if self.keep is not None else cols
@@ -196,25 +223,3 @@ class StreamSource:
                 "num_blocks": len(self.blocks)}
 
 
-
-def _gather(parts: list[dict[str, np.ndarray]], bounds: np.ndarray, idx: np.ndarray) -> dict[str, np.ndarray]:
-    """Rows `idx` (window positions) from the window's parts, in that order, copying only those rows."""
-    if len(parts) == 1:
-        return {k: v[idx] for k, v in parts[0].items()}
-    which = np.searchsorted(bounds, idx, side="right") - 1
-    out = {}
-    for k in parts[0]:
-        cols = [p[k] for p in parts]
-        if len({(c.dtype, c.shape[1:]) for c in cols}) == 1:
-            res = np.empty((len(idx),) + cols[0].shape[1:], dtype=cols[0].dtype)
-        else:  # row shapes differ between parts: rows as objects
-            res = np.empty(len(idx), dtype=object)
-        for p in np.unique(which):
-            sel = which == p
-            rows = cols[p][idx[sel] - bounds[p]]
-            if res.dtype == object and rows.dtype != object:
-                res[np.flatnonzero(sel)] = list(rows)
-            else:
-                res[sel] = rows
-        out[k] = res
-    return out

@@ -20,6 +20,7 @@ from tests.tiny import StopAt
 from raytrain import Trainer, TrainingArguments
 from raytrain.data import (DataError, DataFileNotFoundError, Files, MapSource, build_source, model_inputs,
                            plan_epoch, trainer_datasets)
+from raytrain.data_files import ParquetReader
 from raytrain.data_stream import StreamSource
 
 N = 103
@@ -234,8 +235,8 @@ def test_a_run_resumed_at_step_k_reads_what_the_uninterrupted_run_reads_from_k(k
 
 def test_stream_resume_reads_one_window_not_the_consumed_data(parquet_dir, monkeypatch):
     reads = []
-    original = StreamSource._read
-    monkeypatch.setattr(StreamSource, "_read", lambda self, blk, lo, hi: reads.append(hi - lo) or
+    original = ParquetReader.read
+    monkeypatch.setattr(ParquetReader, "read", lambda self, blk, lo, hi: reads.append(hi - lo) or
                         original(self, blk, lo, hi))
     source = make("stream", parquet_dir, prefetch_batches=0, seed=2)
     reads.clear()

@@ -176,7 +176,8 @@ def test_csv_and_json_stream_in_bounded_windows_and_resume_exactly(tmp_path, fmt
     assert isinstance(source, StreamSource) and source.num_samples == 77 and len(source.blocks) == 2
     assert source.num_windows >= 3 and source.window_rows % 5 == 0  # a window is a few batches, not a file
     full = ids(source.iter_batches(0))
-    assert sorted(i for b in full for i in b) == list(range(77)) and full != sorted(full)
+    flat = [i for b in full for i in b]
+    assert sorted(flat) == list(range(77)) and flat != sorted(flat)
     assert ids(build_source(spec, 5, seed=1).iter_batches(0, 9)) == full[9:]
     assert next(iter(source.iter_batches(0)))["x"].dtype == torch.float64
 
