@@ -178,7 +178,7 @@ def _failed(name: str, where: str, error: BaseException, count: int) -> str:
             and not ln.strip().startswith(("ray.exceptions.", "The above"))]
     what = user[0] if user else f"{type(error).__name__}: {text.strip().splitlines()[0] if text.strip() else ''}"
     at = f"stage {stage.group(1)}" if stage else "Ray Data"
-    return f"{name} ({where}): {at} raised {what} (in the block after the first {count} of the stream)"
+    return f"{name} ({where}): {at} raised {what} (on block {count} of the stream or a later one in flight)"
 
 
 def blocks_for_workers(trainer) -> dict[str, RayBlocks]:
