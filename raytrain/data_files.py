@@ -82,8 +82,12 @@ def column_to_numpy(col, key: str, name: str, where: str) -> np.ndarray:
         if col.num_chunks == 1:
             col = col.chunk(0)
         elif isinstance(col.type, pa.BaseExtensionType):
-            parts = [_array_to_numpy(c) for c in col.chunks]
-            return np.concatenate(parts) if parts else np.empty(0)
+            try:  # one conversion of the joined storage, not one per chunk (Ray Data blocks: many chunks)
+                return _array_to_numpy(pa.ExtensionArray.from_storage(col.type, pa.concat_arrays(
+                    [c.storage for c in col.chunks])))
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError, TypeError):
+                parts = [_array_to_numpy(c) for c in col.chunks]
+                return np.concatenate(parts) if parts else np.empty(0)
         else:
             col = col.combine_chunks()
     return _array_to_numpy(col)

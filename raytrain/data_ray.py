@@ -71,19 +71,23 @@ class RayBlocks:
         return f"{self.where}, block {blk.index}"
 
     def read(self, blk: RayBlock, lo: int, hi: int) -> dict[str, np.ndarray]:
-        return self.read_many([(blk, lo, hi)])[0]
+        from .data_files import table_to_numpy
+        return table_to_numpy(self.read_many([(blk, lo, hi)])[0], self.name, self.describe(blk))
 
-    def read_many(self, pieces: list[tuple[RayBlock, int, int]]) -> list[dict[str, np.ndarray]]:
-        """Rows [lo, hi) of each block, fetched in one ray.get (zero-copy views of the object store)."""
+    def read_many(self, pieces: list[tuple[RayBlock, int, int]]) -> list:
+        """Rows [lo, hi) of each block, fetched in one ray.get, as one Arrow table of zero-copy views of the
+        object store: StreamSource converts it once, after the previous window was let go."""
         import pyarrow as pa
         import ray
-
-        from .data_files import table_to_numpy
-        out = []
+        tables = []
         for (blk, lo, hi), block in zip(pieces, ray.get([p[0].ref for p in pieces])):
             table = block if isinstance(block, pa.Table) else pa.Table.from_pandas(block, preserve_index=False)
-            out.append(table_to_numpy(table.slice(blk.start + lo, hi - lo), self.name, self.describe(blk)))
-        return out
+            tables.append(table.slice(blk.start + lo, hi - lo))
+        try:
+            return [pa.concat_tables(tables, promote_options="default") if len(tables) > 1 else tables[0]]
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+            raise DataError(f"{self.name} ({self.where}): blocks {pieces[0][0].index}-{pieces[-1][0].index} have "
+                            f"different schemas ({str(e).splitlines()[0]})") from None
 
 
 def ray_source(data: Any, batch_size: int, *, name: str, prefetch_batches: int | None = None, **kw) -> StreamSource:

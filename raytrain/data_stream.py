@@ -28,14 +28,14 @@ import numpy as np
 import torch
 
 from .data import DataError, _as_column, _column_type, _rng, _timed, plan_epoch, rank_span
-from .data_files import _apply, _concat
+from .data_files import _apply, _concat, table_to_numpy
 
 #: Seconds a window may take to load before the run fails naming what it was reading (not a silent hang).
 DATA_TIMEOUT_ENV = "RAYTRAIN_DATA_TIMEOUT_S"
 
 
 def _trim() -> None:
-    """Hand freed heap memory back to the OS (glibc keeps a freed window's pages resident otherwise)."""
+    """Hand freed memory back to the OS at a window switch (allocators keep a freed window resident)."""
     global _malloc_trim
     if _malloc_trim is None:
         try:
@@ -44,6 +44,8 @@ def _trim() -> None:
             _malloc_trim = False
     if _malloc_trim:
         _malloc_trim(0)
+    import pyarrow as pa
+    pa.default_memory_pool().release_unused()  # Arrow's allocator (mimalloc/jemalloc) keeps freed pages too
 
 
 _malloc_trim: Any = None
@@ -126,9 +128,11 @@ class StreamSource:
         while j < len(order) and starts[j] < ghi:
             pieces.append((self.blocks[order[j]], max(glo, starts[j]) - starts[j], min(ghi, starts[j + 1]) - starts[j]))
             j += 1
-        many = getattr(self.reader, "read_many", None)  # Ray: one ray.get for all of the window's blocks
-        raw = many(pieces) if many is not None else [self.reader.read(*piece) for piece in pieces]
-        parts = [self._process(cols, piece[0]) for cols, piece in zip(raw, pieces)]
+        many = getattr(self.reader, "read_many", None)  # Ray: one fetch, one Arrow table (converted by _window)
+        if many is not None:
+            parts = many(pieces)
+        else:
+            parts = [self._process(self.reader.read(*piece), piece[0]) for piece in pieces]
         perm = _rng(self.seed, epoch, 2, self.world_size, self.rank, k).permutation(whi - wlo) \
             if self.shuffle else None
         return wlo, parts, perm
@@ -150,7 +154,8 @@ class StreamSource:
             raise DataError(f"{self.name} ({self.where}): no data for {self.timeout_s:.0f} s while reading window "
                             f"{k} of epoch {epoch} ({self._window_blocks(epoch, k)}); check that storage is "
                             f"reachable, or raise {DATA_TIMEOUT_ENV}") from None
-        cols = _concat(parts)
+        cols = _concat([p if isinstance(p, dict) else
+                        self._process(table_to_numpy(p, self.name, self.where), None) for p in parts])
         del parts, fut
         nxt = (epoch, k + 1) if k + 1 < self.num_windows else (epoch + 1, 0)
         self._ahead = (nxt, self._loader.submit(self._load_window, *nxt))
