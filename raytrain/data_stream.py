@@ -131,6 +131,8 @@ class StreamSource:
         many = getattr(self.reader, "read_many", None)  # Ray: one fetch, one Arrow table (converted by _window)
         if many is not None:
             parts = many(pieces)
+            if self.num_windows == 1 and whi - wlo < self.window_rows:  # small data: convert off the training thread
+                parts = [self._process(table_to_numpy(p, self.name, self.where), None) for p in parts]
         else:
             parts = [self._process(self.reader.read(*piece), piece[0]) for piece in pieces]
         perm = _rng(self.seed, epoch, 2, self.world_size, self.rank, k).permutation(whi - wlo) \
