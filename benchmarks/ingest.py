@@ -1,18 +1,22 @@
-"""Data ingest: rows/s of Ray Data against a torch DataLoader over the same Parquet rows, and the share
-of training step time spent waiting for data in a digits run and a char-GPT run.
+"""Data ingest: raytrain's streams (Ray Data and Parquet files) against a torch DataLoader over the same
+Parquet files; resume cost; data wait share of step time; worker memory against dataset size.
 
-    python benchmarks/ingest.py [--rows 1000000] [--steps 200] [--threads 1]
+    python benchmarks/ingest.py [--rows 1000000] [--steps 200] [--threads 1] [--part all|ingest|resume|memory|wait]
 
-Part 1 writes `rows` rows (a 64-float32 tensor column in Ray's tensor type, and an int64 label) as
-Parquet and reads them, in one process, through:
+ingest: `rows` rows (a 64-float32 tensor column in Ray's tensor type, and an int64 label) as 8 Parquet
+files, read in one process through:
+  torch_files     DataLoader over an IterableDataset reading the files with pyarrow: the reference
+  torch_map       DataLoader(TensorDataset(rows in memory), shuffle=True)
   ray_data        ray.data.read_parquet(...).iter_torch_batches(batch_size=256, prefetch_batches=4)
-  torch_map       DataLoader(TensorDataset(rows in memory), batch_size=256, shuffle=True): the reference
-  torch_iterable  DataLoader over an IterableDataset reading the same files with pyarrow
-  raytrain_map    raytrain.data.build_source(files) (in memory, seeded global shuffle)
-  raytrain_stream raytrain.data.build_source(Files(..., stream=True)) (windowed shuffle, prefetch)
-and prints rows/s and the ratio to torch_map; Ray Data also with its start-up (time to first batch)
-left out. Part 2 trains and prints wait_s / train_runtime from the source's own accounting (the time
-the loop spent inside next(batches)). Timings never decide a test; they are printed here.
+  raytrain_ray    build_source(ray.data.read_parquet(...)): Ray Data runs the plan, the rank streams its blocks
+  raytrain_files  build_source(Files(..., stream=True)): row groups, windowed shuffle
+rows/s start to finish and after the first batch, as ratios to torch_files; the time to the first batch
+(Ray Data's start-up) is printed on its own.
+resume: time to the first batch at 90% of an epoch against at its start (raytrain_files, raytrain_ray).
+memory: each in a fresh process, the private resident memory (RssAnon) a rank gains streaming a Ray dataset
+of 1x, 4x and 16x the window, and its whole RSS (which also counts object-store pages it read).
+wait: trains digits and char-GPT and prints wait_s / train_runtime from the source's own accounting.
+Timings never decide a test; they are printed here.
 """
 
 from __future__ import annotations
@@ -78,11 +82,8 @@ class ParquetRows(torch.utils.data.IterableDataset):
 
 
 def part1(rows: int) -> None:
-    import ray
     import ray.data
     from raytrain.data import Files, build_source
-    ctx = ray.data.DataContext.get_current()
-    ctx.enable_progress_bars = False
     with tempfile.TemporaryDirectory() as d:
         write_files(d, rows)
         mem = read_all(d)
@@ -93,24 +94,95 @@ def part1(rows: int) -> None:
                 yield {"x": x, "labels": y}
 
         cases = {
+            "torch_files": lambda: torch.utils.data.DataLoader(ParquetRows(d), batch_size=None),
             "torch_map": torch_map,
-            "torch_iterable": lambda: torch.utils.data.DataLoader(ParquetRows(d), batch_size=None),
             "ray_data": lambda: ray.data.read_parquet(d).iter_torch_batches(batch_size=BATCH, prefetch_batches=4),
-            "raytrain_map": lambda: build_source(d, BATCH, seed=0).iter_batches(0),
-            "raytrain_stream": lambda: build_source(Files(d, stream=True, buffer_bytes=32 << 20), BATCH,
-                                                    seed=0).iter_batches(0),
+            "raytrain_ray": lambda: build_source(ray.data.read_parquet(d), BATCH, seed=0).iter_batches(0),
+            "raytrain_files": lambda: build_source(Files(d, stream=True, buffer_bytes=32 << 20), BATCH,
+                                                   seed=0).iter_batches(0),
         }
         timed(cases["ray_data"])  # warm Ray's worker pool once, as a long-running job would have it
         results = {name: timed(fn) for name, fn in cases.items()}
-    ref = results["torch_map"][0] / results["torch_map"][1]
-    print(f"\n== ingest: {rows} rows of 64 float32 + int64 label, batch {BATCH}, reference torch_map")
-    print(f"{'reader':<18}{'rows/s':>12}{'x torch_map':>13}{'first batch s':>15}")
+    n0, s0, f0 = results["torch_files"]
+    ref, ref_after = n0 / s0, (n0 - BATCH) / (s0 - f0)
+    print(f"\n== ingest: {rows} rows of 64 float32 + int64 label, batch {BATCH}, reference torch_files")
+    print(f"{'reader':<16}{'rows/s':>12}{'x ref':>8}{'after 1st':>12}{'x ref':>8}{'first batch s':>15}")
     for name, (n, secs, first) in results.items():
         assert n == rows, (name, n)
-        print(f"{name:<18}{n / secs:>12,.0f}{n / secs / ref:>13.2f}{first:>15.2f}")
-    n, secs, first = results["ray_data"]
-    print(f"{'ray_data steady':<18}{(n - BATCH) / (secs - first):>12,.0f}{(n - BATCH) / (secs - first) / ref:>13.2f}"
-          "   (time to the first batch left out)")
+        after = (n - BATCH) / (secs - first)
+        print(f"{name:<16}{n / secs:>12,.0f}{n / secs / ref:>8.2f}{after:>12,.0f}{after / ref_after:>8.2f}"
+              f"{first:>15.2f}")
+
+
+def part_resume(rows: int) -> None:
+    """Time to the first batch when resuming at 90% of an epoch, against at its start (median of 5)."""
+    import ray.data
+    from raytrain.data import Files, build_source
+    from raytrain.data_ray import execute
+    with tempfile.TemporaryDirectory() as d:
+        write_files(d, rows)
+        ray_blocks = execute(ray.data.read_parquet(d))  # Ray Data runs once, as on the driver; not timed here
+        make = {"raytrain_files": lambda: build_source(Files(d, stream=True, buffer_bytes=32 << 20), BATCH, seed=0),
+                "raytrain_ray": lambda: build_source(ray_blocks, BATCH, seed=0)}
+        print(f"\n== resume: first batch at 90% of the epoch vs at its start, {rows} rows, median of 5")
+        print(f"{'source':<16}{'start s':>10}{'90% s':>10}{'ratio':>8}")
+        for name, build in make.items():
+            def first(fraction):
+                times = []
+                for _ in range(5):
+                    source = build()  # a fresh source, as a resumed process has: nothing loaded ahead
+                    t0 = time.perf_counter()
+                    it = source.iter_batches(0, int(fraction * len(source)))
+                    next(it)
+                    times.append(time.perf_counter() - t0)
+                    it.close()
+                return sorted(times)[2]
+            start, late = first(0.0), first(0.9)
+            print(f"{name:<16}{start:>10.3f}{late:>10.3f}{late / start:>8.2f}")
+
+
+MEMORY_PROBE = """
+import gc, json, sys
+import numpy as np, ray, ray.data
+from raytrain.data import build_source
+from raytrain.data_ray import RayData
+def status(field):
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith(field))
+ray.init(address=sys.argv[1], log_to_driver=False)
+ray.data.DataContext.get_current().enable_progress_bars = False
+window, times, width = int(sys.argv[2]), int(sys.argv[3]), 64
+rows = times * window // (width * 4)
+feat = lambda b: {"idx": b["id"], "x": np.repeat(b["id"][:, None].astype(np.float32), width, 1)}
+ds = ray.data.range(rows, override_num_blocks=max(4, 2 * times)).map_batches(feat, batch_format="numpy")
+source = build_source(RayData(ds, buffer_bytes=window), 256, seed=0)
+gc.collect()
+anon0, rss0, anon, rss = status("RssAnon:"), status("VmRSS:"), 0, 0
+for batch in source.iter_batches(0):
+    anon, rss = max(anon, status("RssAnon:") - anon0), max(rss, status("VmRSS:") - rss0)
+print("RESULT " + json.dumps({"anon": anon, "rss": rss, "nbytes": source.reader.nbytes}))
+"""
+
+
+def part_memory(window: int = 8 << 20) -> None:
+    import json
+    import subprocess
+
+    import ray
+    address = ray.get_runtime_context().gcs_address
+    print(f"\n== memory: one rank streaming a Ray dataset of k windows ({window >> 20} MiB each), fresh process each")
+    print(f"{'k':>4}{'data MiB':>10}{'private MiB':>13}{'x window':>10}{'RSS MiB':>10}")
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    for k in (1, 4, 16):
+        out = subprocess.run([sys.executable, "-c", MEMORY_PROBE, address, str(window), str(k)], env=env,
+                             capture_output=True, text=True, timeout=600)
+        line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+        if not line:
+            print(f"{k:>4} failed: {out.stderr[-500:]}")
+            continue
+        r = json.loads(line[0][7:])
+        print(f"{k:>4}{r['nbytes'] / 2**20:>10.1f}{r['anon'] / 2**20:>13.1f}{r['anon'] / window:>10.2f}"
+              f"{r['rss'] / 2**20:>10.1f}")
 
 
 def wait_fraction(name: str, trainer) -> None:
@@ -125,6 +197,7 @@ def part2(steps: int) -> None:
     from examples import chargpt
     from examples.digits import build_datasets as digits_data, build_model as digits_model
     from raytrain import Trainer, TrainingArguments
+    import ray.data
     from raytrain.data import Files
 
     def args(out, bs, max_steps):
@@ -148,6 +221,9 @@ def part2(steps: int) -> None:
             ("digits parquet stream", digits_model, Files(f"{d}/digits.parquet", stream=True), 5 * steps),
             ("chargpt arrays", gpt, carrays, steps),
             ("chargpt parquet stream", gpt, Files(ctrain.path, stream=True, buffer_bytes=256 << 10), steps),
+            ("digits ray data", digits_model, ray.data.from_items([{"pixels": p, "labels": int(y)} for p, y in
+                                                                zip(train["pixels"], train["labels"])]), 5 * steps),
+            ("chargpt ray data", gpt, ray.data.read_parquet(ctrain.path), steps),
         ]
         for name, model, data, n in runs:
             torch.manual_seed(0)
@@ -159,16 +235,24 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=1_000_000)
     p.add_argument("--steps", type=int, default=200, help="char-GPT steps; digits runs 5x as many")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: fastest on a busy 2-core machine)")
-    p.add_argument("--part", choices=["all", "ingest", "wait"], default="all")
+    p.add_argument("--part", choices=["all", "ingest", "resume", "memory", "wait"], default="all")
     ns = p.parse_args()
     torch.set_num_threads(ns.threads)
     logging.basicConfig(level=logging.WARNING)
+    import ray
+    import ray.data
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    print(f"load average at start: {os.getloadavg()[0]:.1f}")
     if ns.part in ("all", "ingest"):
-        import ray
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
         part1(ns.rows)
+    if ns.part in ("all", "resume"):
+        part_resume(ns.rows)
+    if ns.part in ("all", "memory"):
+        part_memory()
     if ns.part in ("all", "wait"):
         part2(ns.steps)
+    print(f"load average at end: {os.getloadavg()[0]:.1f}")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ _EXPORTS = {
                   "PrinterCallback", "ProgressCallback", "TrainerCallback"],
     "checkpoint": ["CheckpointError", "get_last_checkpoint", "load_weights", "verify_checkpoint"],
     "data": ["DataError", "Files", "build_source", "default_collate"],
+    "data_ray": ["RayData"],
     "loop": ["NonFiniteError"],
     "optim": ["create_optimizer", "create_scheduler", "get_parameter_groups"],
     "state": ["EvalPrediction", "PredictionOutput", "TrainerControl", "TrainerState", "TrainOutput"],

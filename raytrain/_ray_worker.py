@@ -126,6 +126,8 @@ def train_loop_per_worker(config: dict) -> dict | None:
     ctx = ray.train.get_context()
     os.environ.setdefault("LOCAL_RANK", str(ctx.get_local_rank()))
     trainer = cloudpickle.loads(config["trainer"])
+    for key, blocks in config.get("datasets", {}).items():  # ray Datasets, executed once by the driver
+        setattr(trainer, key, blocks)
     set_seed(trainer.args.seed, trainer.args.full_determinism)  # as Trainer.__init__ did on the driver
     strategy = trainer._get_strategy()  # rank and world from torch.distributed, set up by TorchTrainer
     preemption = PreemptionCallback(strategy)

@@ -186,7 +186,7 @@ def _run_trial(config: dict[str, Any], spec: dict[str, Any], trial_dir: str) -> 
     set_seed(args.seed, args.full_determinism)  # a trial's initial weights follow the seed too
     if spec.get("mlflow"):
         from .sweep_tracking import start_child_run
-        start_child_run(spec["mlflow"], trial_id, config)
+        start_child_run(spec["mlflow"], trial_id, config, args)
     model = _call_model_init(spec["model_init"], config)
     trainer = Trainer(model=model, args=args, callbacks=copy.deepcopy(spec["callbacks"]), **spec["trainer_kwargs"])
     trainer._trial_name = ctx.get_trial_name()

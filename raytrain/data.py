@@ -6,46 +6,38 @@ per rank per epoch), `iter_batches(epoch, start)`, `state()`, `schema`, `num_sam
 
 - a dict of equal-length arrays / tensors, a `pyarrow.Table`, a torch map-style Dataset   -> MapSource
 - a path, directory, glob or list of them (Parquet, CSV, JSON lines), or `Files(...)`      -> MapSource
-  when the data fits `Files.in_memory_bytes` (from file metadata), else StreamSource (Parquet only)
-- a `ray.data.Dataset` (with its `map_batches` preprocessing) or a `ray.data.DataIterator`
-  (what `ray.train.get_dataset_shard` returns): executed once in order, held as columns   -> MapSource
+  when the data fits `Files.in_memory_bytes` (from file metadata / file sizes), else StreamSource
+- a `ray.data.Dataset` (its `map_batches` stages run as Ray tasks/actors), `RayData(ds, ...)`, or a
+  `ray.data.DataIterator` over a whole dataset: executed once, in order, by Ray Data      -> StreamSource
 
-Order. An epoch's sample order is a function of (seed, epoch) only: a seeded permutation of all rows
-(MapSource: a global shuffle), or for streams a seeded block order (Parquet row groups) cut into
-windows of `buffer_rows` rows, each permuted with its own seed (a seekable local shuffle buffer).
+MapSource (data in memory): an epoch's order is a seeded permutation of all rows (seed, epoch); it is
+cut into global batches of `batch_size * world_size` and rank r takes the r-th of `world_size`
+near-equal contiguous parts of each. StreamSource (data_stream.py, larger than memory): blocks (Parquet
+row groups, CSV/JSON files, Ray Data blocks) in a seeded order, each rank a contiguous range of that
+stream, shuffled within windows; each rank reads only its own range.
 
-Sharding. The order is cut into global batches of `batch_size * world_size`; rank r takes the r-th of
-`world_size` near-equal contiguous parts (sizes differ by at most one). Every rank therefore takes the
-same number of batches, and each epoch every sample is seen exactly once across ranks. The tail:
-with drop_last the incomplete global batch is dropped (on every rank alike); without it, a final global
-batch of `rest` samples becomes one more batch if rest >= world_size, and otherwise (some rank would
-get an empty batch) joins the previous global batch, so a rank's last batch may be one sample larger.
-Fewer samples than ranks is an error.
+Sharding rule, both sources: every rank takes the same number of batches, of the same sizes, and each
+epoch every sample is seen exactly once across ranks. The tail: with drop_last the incomplete global
+batch is dropped (on every rank alike); without it, a final global batch of `rest` samples becomes one
+more batch if rest >= world_size, and otherwise (some rank would get an empty batch) joins the previous
+global batch, so a rank's last batch may be one sample larger. Fewer samples than ranks is an error.
 
 Resume. The position is (epoch, batch index); `iter_batches(epoch, start)` jumps there by arithmetic:
-MapSource slices the permutation, StreamSource finds the window from block row counts (file
-metadata) and reads that window only. Nothing consumed is read again.
+MapSource slices the permutation, StreamSource finds the window from block row counts and reads that
+window only. Nothing consumed is read again.
 
-Ray Train (driver: launch.py, worker: the loop). Pass Ray Datasets unsplit, in order::
+Ray Train. launch.py executes the trainer's ray Datasets once on the driver (data_ray.blocks_for_workers)
+and hands every worker the block references; each worker then streams its share from the object store.
+Users who run TorchTrainer themselves pass Ray Datasets unsplit, in order::
 
     datasets, data_config = trainer_datasets({"train": train_ds, "eval": eval_ds})
     TorchTrainer(loop_fn, datasets=datasets, dataset_config=data_config, ...)
+    # in the worker: trainer.train_dataset = ray.train.get_dataset_shard("train")
 
-and in the worker function, the one place that calls Ray Train's worker API::
-
-    trainer.train_dataset = ray.train.get_dataset_shard("train")   # a DataIterator over ALL rows
-    trainer.eval_dataset = ray.train.get_dataset_shard("eval")
-    loop.train(trainer)    # build_source shards it by (seed, epoch, rank, world size)
-
-Ray's own split (streaming_split) hands blocks to whichever worker asks first, so membership would
-depend on timing, and it cannot resume mid-epoch (ray#48224): we split ourselves, and a split shard
-is refused with an error naming the fix. Each worker then holds all rows of a Ray Dataset in memory;
-call `ds.materialize()` on the driver first when its preprocessing is costly, so that it runs once
-and workers only fetch blocks. Every other input (dict, Table, torch Dataset, paths, Files) can
-travel in the train-loop config as it is (each worker calls build_source on it; files are read by
-each worker from shared storage). Data larger than a worker's memory: Parquet files via Files.
-
-Files, Arrow conversion and the streaming reader live in data_files.py.
+(each worker then executes the whole dataset itself: prefer the Trainer's launch). Ray's own split
+(streaming_split) hands blocks to whichever worker asks first and cannot resume mid-epoch (ray#48224):
+a split shard is refused with an error naming the fix. Other inputs travel in the train-loop config as
+they are (each worker calls build_source on it; files are read by each worker from shared storage).
 """
 
 from __future__ import annotations
@@ -406,9 +398,10 @@ def build_source(data: Any, batch_size: int, *, seed: int = 0, shuffle: bool = T
         spec = data if isinstance(data, Files) else Files(data)
         wanted = _projection(columns) if collate_fn is None else None
         source = files_source(spec, batch_size, columns=wanted, prefetch_batches=prefetch_batches, **kw)
+    elif _is_ray(data) or type(data).__name__ in ("RayData", "RayBlocks"):
+        from .data_ray import ray_source
+        source = ray_source(data, batch_size, prefetch_batches=prefetch_batches, **kw)
     else:
-        if _is_ray(data):
-            data = ray_to_columns(data, name)
         source = MapSource(data, batch_size, prefetch_batches=prefetch_batches or 0, **kw)
     check_columns(source, columns, collate_fn)
     return source
@@ -424,32 +417,6 @@ def _is_arrow_table(data) -> bool:
 
 def _is_ray(data) -> bool:
     return type(data).__module__.startswith("ray.data")
-
-
-def ray_to_columns(data: Any, name: str = "dataset") -> Columns:
-    """Execute a ray.data Dataset (in order) or drain a DataIterator into columns."""
-    import pyarrow as pa
-    import ray.data
-
-    from .data_files import table_to_numpy
-    what = "ray Dataset"
-    if isinstance(data, ray.data.DataIterator):
-        base = getattr(data, "_base_dataset", None)  # a whole dataset's iterator; a split has none
-        if base is None:
-            raise DataError(f"{name}: this ray DataIterator is one worker's split ({type(data).__name__}), whose "
-                            "rows depend on timing; give TorchTrainer dataset_config=trainer_datasets(...)[1] so "
-                            "every worker gets all rows and raytrain shards them deterministically")
-        data, what = base, "ray DataIterator"
-    if isinstance(data, ray.data.Dataset):
-        data = ray.data.Dataset.copy(data, _deep_copy=True)
-        data.context.execution_options.preserve_order = True
-    else:
-        raise DataError(f"{name}: a {type(data).__name__} is not accepted; pass a ray.data.Dataset")
-    tables = list(data.iter_batches(batch_size=None, batch_format="pyarrow"))
-    if not tables or sum(t.num_rows for t in tables) == 0:
-        raise DataError(f"{name} ({what}): the dataset is empty (0 rows)")
-    table = pa.concat_tables(tables, promote_options="default")
-    return Columns(table_to_numpy(table, name, what), name, what)
 
 
 def trainer_datasets(datasets: Mapping[str, Any]):

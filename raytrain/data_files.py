@@ -1,25 +1,20 @@
-"""Files in: listing, Arrow -> numpy columns, and StreamSource for Parquet larger than memory.
+"""Files in: listing, Arrow -> numpy columns, and the block readers StreamSource streams them with.
 
-A stream's epoch: the Parquet row groups (blocks) in a seeded order, read as one stream of rows cut
-into windows of `window_rows` (a multiple of the global batch; the last window also takes the rest),
-each window permuted by its own seed. Row counts come from the file metadata, so the window of any
-position is found without reading data, and memory holds at most two windows (the one being batched
-and the next, loaded in the background) plus the prefetched batches.
+Parquet: a block is a row group, counted from the file footers without reading data. CSV and JSON
+lines: a block is a file, counted in one streaming pass when the source is built. Either way the
+stream's order, sharding, windows and resume are data_stream.StreamSource's (one design for all).
 """
 
 from __future__ import annotations
 
 import glob
 import os
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable
 
 import numpy as np
-import torch
 
-from .data import (Columns, DataError, DataFileNotFoundError, Files, MapSource, _as_column, _column_type, _rng,
-                   _timed, plan_epoch, rank_span)
+from .data import Columns, DataError, DataFileNotFoundError, Files, MapSource
 
 _FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".tsv": "csv", ".json": "json",
             ".jsonl": "json", ".ndjson": "json"}
@@ -87,8 +82,12 @@ def column_to_numpy(col, key: str, name: str, where: str) -> np.ndarray:
         if col.num_chunks == 1:
             col = col.chunk(0)
         elif isinstance(col.type, pa.BaseExtensionType):
-            parts = [_array_to_numpy(c) for c in col.chunks]
-            return np.concatenate(parts) if parts else np.empty(0)
+            try:  # one conversion of the joined storage, not one per chunk (Ray Data blocks: many chunks)
+                return _array_to_numpy(pa.ExtensionArray.from_storage(col.type, pa.concat_arrays(
+                    [c.storage for c in col.chunks])))
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError, TypeError):
+                parts = [_array_to_numpy(c) for c in col.chunks]
+                return np.concatenate(parts) if parts else np.empty(0)
         else:
             col = col.combine_chunks()
     return _array_to_numpy(col)
@@ -138,7 +137,12 @@ def _apply(preprocess: Callable | None, cols: dict[str, np.ndarray], name: str, 
     if preprocess is None:
         return cols
     n = len(next(iter(cols.values()))) if cols else 0
-    out = preprocess(dict(cols))
+    try:
+        out = preprocess(dict(cols))
+    except Exception as e:  # the user's function: its message and the block it failed on, in one line
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise DataError(f"{name} ({where}): preprocess {getattr(preprocess, '__name__', '')} raised "
+                        f"{type(e).__name__}: {msg}") from e
     if not isinstance(out, dict) or not out:
         raise DataError(f"{name} ({where}): preprocess must return a non-empty dict of arrays, got "
                         f"{type(out).__name__}")
@@ -227,24 +231,142 @@ def _register_extension_types(schema) -> None:
             pass
 
 
+# ---------------------------------------------------------------- stream readers
+
+
+class ParquetReader:
+    """Blocks = Parquet row groups (from the footers); reads rows of one in bounded chunks, projected."""
+
+    def __init__(self, blocks: list[Block], columns: list[str] | None, chunk_rows: int, name: str, where: str):
+        self.blocks, self.read_columns, self.chunk_rows = blocks, columns, chunk_rows
+        self.name, self.where = name, where
+        self._files: dict[str, Any] = {}
+
+    def project(self, columns: list[str]) -> None:
+        self.read_columns = list(columns)
+
+    def describe(self, blk: Block) -> str:
+        return f"{blk.path} row group {blk.row_group}"
+
+    def _parquet(self, path: str):
+        import pyarrow.parquet as pq
+        pf = self._files.get(path)
+        if pf is None:
+            if len(self._files) >= 8:
+                self._files.pop(next(iter(self._files)))
+            pf = self._files[path] = pq.ParquetFile(path, pre_buffer=False)
+        return pf
+
+    def read(self, blk: Block, lo: int, hi: int) -> dict[str, np.ndarray]:
+        import pyarrow as pa
+        pf, pos, pieces = self._parquet(blk.path), 0, []
+        for rb in pf.iter_batches(batch_size=self.chunk_rows, row_groups=[blk.row_group],
+                                  columns=self.read_columns, use_threads=False):
+            n = rb.num_rows
+            if pos + n > lo:
+                s = max(lo - pos, 0)
+                pieces.append(rb.slice(s, min(hi - pos, n) - s))
+            pos += n
+            if pos >= hi:
+                break
+        table = pa.Table.from_batches(pieces) if pieces else pf.schema_arrow.empty_table()
+        if self.read_columns is not None and not pieces:
+            table = table.select(self.read_columns)
+        return table_to_numpy(table, self.name, blk.path)
+
+
+@dataclass(frozen=True)
+class FileBlock:
+    """One CSV or JSON-lines file: the unit of the stream's order (text has no row groups)."""
+
+    path: str
+    num_rows: int
+
+
+class TextReader:
+    """Blocks = CSV / JSON-lines files, row counts from one streaming pass; rows [lo, hi) of a file are read
+    with Arrow's streaming reader, so memory holds the rows asked for, not the file."""
+
+    def __init__(self, files: list[str], fmt: str, name: str, where: str):
+        self.fmt, self.name, self.where = fmt, name, where
+        self.blocks: list[FileBlock] = []
+        first = None
+        for f in files:
+            reader = self._open(f)
+            if first is None:
+                first, first_path = reader.schema, f
+            elif not reader.schema.equals(first):
+                raise DataError(f"{name}: {f}: {_schema_diff(first, reader.schema)} (unlike {first_path}); all files "
+                                "need the same columns and types")
+            n = sum(b.num_rows for b in self._batches(reader, f))
+            if n:
+                self.blocks.append(FileBlock(f, n))
+        self.schema = first
+        self.nbytes = sum(os.path.getsize(b.path) for b in self.blocks)
+
+    def describe(self, blk: FileBlock) -> str:
+        return blk.path
+
+    def _open(self, path: str):
+        import pyarrow as pa
+        try:
+            if self.fmt == "csv":
+                import pyarrow.csv as pcsv
+                parse = pcsv.ParseOptions(delimiter="\t") if path.lower().endswith(".tsv") else None
+                convert = pcsv.ConvertOptions(column_types=self.schema) if getattr(self, "schema", None) else None
+                return pcsv.open_csv(path, parse_options=parse, convert_options=convert)
+            import pyarrow.json as pjson
+            explicit = getattr(self, "schema", None)
+            return pjson.open_json(path, parse_options=pjson.ParseOptions(explicit_schema=explicit)
+                                   if explicit is not None else None)
+        except (pa.ArrowInvalid, OSError) as e:
+            raise DataError(f"{self.name}: {path}: not readable as {self.fmt} ({str(e).splitlines()[0]})") from None
+
+    def _batches(self, reader, path: str):
+        import pyarrow as pa
+        try:
+            yield from reader
+        except (pa.ArrowInvalid, OSError) as e:
+            raise DataError(f"{self.name}: {path}: not readable as {self.fmt} ({str(e).splitlines()[0]})") from None
+
+    def read(self, blk: FileBlock, lo: int, hi: int) -> dict[str, np.ndarray]:
+        import pyarrow as pa
+        reader, pos, pieces = self._open(blk.path), 0, []
+        for rb in self._batches(reader, blk.path):
+            n = rb.num_rows
+            if pos + n > lo:
+                s = max(lo - pos, 0)
+                pieces.append(rb.slice(s, min(hi - pos, n) - s))
+            pos += n
+            if pos >= hi:
+                break
+        table = pa.Table.from_batches(pieces, schema=reader.schema)
+        return table_to_numpy(table, self.name, blk.path)
+
+
 # ---------------------------------------------------------------- the entry for files
 
 
 def files_source(spec: Files, batch_size: int, *, columns: list[str] | None, prefetch_batches: int | None,
                  name: str, **kw):
-    """MapSource when the files fit in memory (`spec.stream` None or False), else StreamSource (Parquet)."""
+    """MapSource when the files fit in memory (`spec.stream` None or False), else a StreamSource: Parquet
+    row groups or CSV/JSON files as its blocks."""
+    from .data_stream import StreamSource
     files, fmt = list_files(spec, name)
     where = spec.path if isinstance(spec.path, str) else (files[0] if len(files) == 1 else
                                                           f"{files[0]} and {len(files) - 1} more")
     read_cols = None if spec.preprocess is not None else columns
+    pf = spec.prefetch_batches if prefetch_batches is None else prefetch_batches
     if fmt != "parquet":
         size = sum(os.path.getsize(f) for f in files)
-        if spec.stream or size > spec.in_memory_bytes:
-            raise DataError(f"{name} ({where}): {fmt} files ({size / 2**20:.0f} MiB) are read into memory; to "
-                            f"stream data larger than in_memory_bytes ({spec.in_memory_bytes / 2**20:.0f} MiB), "
-                            "convert it to Parquet")
-        tables = [_read_table(f, fmt, None, name) for f in files]
-        return _in_memory(tables, files, spec, batch_size, prefetch_batches, name, where, **kw)
+        if not (spec.stream or (spec.stream is None and size > spec.in_memory_bytes)):
+            tables = [_read_table(f, fmt, None, name) for f in files]
+            return _in_memory(tables, files, spec, batch_size, prefetch_batches, name, where, **kw)
+        reader = TextReader(files, fmt, name, where)
+        if not reader.blocks:
+            raise DataError(f"{name} ({where}): the dataset is empty (0 rows in {len(files)} file(s))")
+        return StreamSource(reader, batch_size, nbytes=reader.nbytes, buffer_bytes=spec.buffer_bytes, name=name,
+                            prefetch_batches=pf, preprocess=spec.preprocess, **kw)
     blocks, names, nbytes = parquet_blocks(files, name, read_cols)
     if not blocks:
         raise DataError(f"{name} ({where}): the dataset is empty (0 rows in {len(files)} file(s))")
@@ -255,8 +377,11 @@ def files_source(spec: Files, batch_size: int, *, columns: list[str] | None, pre
         tables = [_read_table(f, "parquet", read_cols, name) for f in files]
         source = _in_memory(tables, files, spec, batch_size, prefetch_batches, name, where, **kw)
     else:
-        source = StreamSource(blocks, spec, batch_size, read_columns=read_cols, nbytes=nbytes, name=name,
-                              where=where, prefetch_batches=prefetch_batches, **kw)
+        row_bytes = max(1, nbytes // sum(b.num_rows for b in blocks))
+        chunk = int(max(1, min(65536, spec.buffer_bytes // 8 // row_bytes)))
+        reader = ParquetReader(blocks, read_cols, chunk, name, where)
+        source = StreamSource(reader, batch_size, nbytes=nbytes, buffer_bytes=spec.buffer_bytes, name=name,
+                              prefetch_batches=pf, preprocess=spec.preprocess, **kw)
     if spec.preprocess is None:
         source.all_columns = names
     return source
@@ -272,149 +397,8 @@ def _in_memory(tables, files, spec, batch_size, prefetch_batches, name, where, *
     return MapSource(Columns(cols, name, where), batch_size, prefetch_batches=pf, name=name, **kw)
 
 
-class StreamSource:
-    """Batches of Parquet files larger than memory for one rank: seeded block order + windowed shuffle."""
-
-    kind = "stream"
-
-    def __init__(self, blocks: list[Block], spec: Files, batch_size: int, *, read_columns: list[str] | None,
-                 nbytes: int, name: str, where: str, seed: int = 0, shuffle: bool = True, drop_last: bool = False,
-                 rank: int = 0, world_size: int = 1, collate_fn: Callable | None = None,
-                 prefetch_batches: int | None = None):
-        self.blocks, self.spec, self.name, self.where = blocks, spec, name, where
-        self.batch_size, self.seed, self.shuffle, self.drop_last = batch_size, seed, shuffle, drop_last
-        self.rank, self.world_size, self.collate_fn = rank, world_size, collate_fn
-        self.prefetch_batches = spec.prefetch_batches if prefetch_batches is None else prefetch_batches
-        self.read_columns, self.keep = read_columns, None
-        self.num_samples = sum(b.num_rows for b in blocks)
-        self._num_batches, self._used = plan_epoch(self.num_samples, batch_size, world_size, drop_last, name)
-        row_bytes = max(1, nbytes // self.num_samples)
-        gb = batch_size * world_size
-        self.buffer_rows = max(1, spec.buffer_bytes // row_bytes)  # from the data and spec: same on resume
-        self.window_rows = max(1, self.buffer_rows // gb) * gb
-        self.num_windows = max(1, self.num_samples // self.window_rows)
-        self._chunk_rows = int(max(1, min(65536, spec.buffer_bytes // 8 // row_bytes)))
-        self._files: dict[str, Any] = {}
-        self._ahead: tuple[tuple[int, int], Future] | None = None  # the window being loaded next
-        self._loader: ThreadPoolExecutor | None = None
-        self.wait_s = 0.0
-        self.all_columns: list[str] | None = None
-        first = blocks[0]
-        self._sample = self._read(first, 0, min(first.num_rows, batch_size))
-
-    def __len__(self) -> int:
-        return self._num_batches
-
-    # -- order
-    def block_order(self, epoch: int) -> np.ndarray:
-        n = len(self.blocks)
-        return _rng(self.seed, epoch, 1).permutation(n) if self.shuffle else np.arange(n)
-
-    def _window_range(self, k: int) -> tuple[int, int]:
-        lo = k * self.window_rows
-        return lo, self.num_samples if k == self.num_windows - 1 else lo + self.window_rows
-
-    def _layout(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        """The epoch's block order and each block's first position in the epoch's stream."""
-        order = self.block_order(epoch)
-        return order, np.concatenate([[0], np.cumsum([self.blocks[i].num_rows for i in order])])
-
-    def _load_window(self, epoch: int, k: int):
-        order, starts = self._layout(epoch)
-        wlo, whi = self._window_range(k)
-        j = int(np.searchsorted(starts, wlo, side="right")) - 1
-        parts = []
-        while j < len(order) and starts[j] < whi:
-            blk = self.blocks[order[j]]
-            parts.append(self._read(blk, max(wlo, starts[j]) - starts[j], min(whi, starts[j + 1]) - starts[j]))
-            j += 1
-        perm = _rng(self.seed, epoch, 2, k).permutation(whi - wlo) if self.shuffle else None
-        return wlo, _concat(parts), perm
-
-    def _window(self, epoch: int, k: int):
-        """Window k of `epoch` (the one loaded ahead if it is that one), and start loading the next,
-        which after an epoch's last window is the next epoch's first: a boundary never stalls."""
-        key, fut = self._ahead if self._ahead is not None else (None, None)
-        self._ahead = None
-        if self._loader is None:  # one thread per source (one malloc arena); it ends with the source
-            self._loader = ThreadPoolExecutor(1, thread_name_prefix="raytrain-window")
-        if key != (epoch, k):
-            fut = self._loader.submit(self._load_window, epoch, k)
-        nxt = (epoch, k + 1) if k + 1 < self.num_windows else (epoch + 1, 0)
-        self._ahead = (nxt, self._loader.submit(self._load_window, *nxt))
-        return fut.result()
-
-    def iter_batches(self, epoch: int, start: int = 0) -> Iterator[dict[str, torch.Tensor]]:
-        """Batches of `epoch` from `start`: the window holding `start` is found from row counts alone."""
-        return _timed(self, self._batches(epoch, start), self.prefetch_batches)
-
-    def _batches(self, epoch: int, start: int):
-        current, cur_k = None, -1
-        for b in range(start, self._num_batches):
-            lo, hi = rank_span(b, self._num_batches, self._used, self.batch_size, self.world_size, self.rank)
-            k = min(lo // self.window_rows, self.num_windows - 1)
-            if k != cur_k:
-                current = None  # free this window before the one after next is loaded
-                current, cur_k = self._window(epoch, k), k
-            wlo, cols, perm = current
-            local = np.arange(lo - wlo, hi - wlo)
-            yield self._assemble(cols, perm[local] if perm is not None else local)
-
-    # -- reading
-    def _parquet(self, path: str):
-        import pyarrow.parquet as pq
-        pf = self._files.get(path)
-        if pf is None:
-            if len(self._files) >= 8:
-                self._files.pop(next(iter(self._files)))
-            pf = self._files[path] = pq.ParquetFile(path, pre_buffer=False)
-        return pf
-
-    def _read(self, blk: Block, lo: int, hi: int) -> dict[str, np.ndarray]:
-        """Rows [lo, hi) of one row group, decoded in bounded chunks, preprocessed, projected."""
-        import pyarrow as pa
-        pf, pos, pieces = self._parquet(blk.path), 0, []
-        for rb in pf.iter_batches(batch_size=self._chunk_rows, row_groups=[blk.row_group],
-                                  columns=self.read_columns, use_threads=False):
-            n = rb.num_rows
-            if pos + n > lo:
-                s = max(lo - pos, 0)
-                pieces.append(rb.slice(s, min(hi - pos, n) - s))
-            pos += n
-            if pos >= hi:
-                break
-        table = pa.Table.from_batches(pieces) if pieces else pf.schema_arrow.empty_table()
-        if self.read_columns is not None and not pieces:
-            table = table.select(self.read_columns)
-        cols = _apply(self.spec.preprocess, table_to_numpy(table, self.name, blk.path), self.name, blk.path)
-        return {k: v for k, v in cols.items() if k in self.keep} if self.keep is not None else cols
-
-    def _assemble(self, cols: dict[str, np.ndarray], idx: np.ndarray):
-        if self.collate_fn is not None:
-            return self.collate_fn([{k: v[i] for k, v in cols.items()} for i in idx])
-        return {k: torch.from_numpy(v[idx]) if v.dtype != object and v.dtype.kind in "biuf" else list(v[idx])
-                for k, v in cols.items()}
-
-    # -- the source interface
-    def sample_batch(self):
-        n = len(next(iter(self._sample.values())))
-        return self._assemble(self._sample, np.arange(n))
-
-    def raw_columns(self) -> list[str]:
-        return list(self.all_columns) if self.all_columns is not None else list(self._sample)
-
-    def select(self, names: Sequence[str]) -> None:
-        self.keep = list(names)
-        self._sample = {k: v for k, v in self._sample.items() if k in self.keep}
-        if self.spec.preprocess is None:
-            self.read_columns = self.keep
-
-    @property
-    def schema(self) -> dict[str, tuple[str, tuple | None]]:
-        return {k: _column_type(_as_column(v, k, self.name)) for k, v in self._sample.items()}
-
-    def state(self) -> dict:
-        return {"kind": self.kind, "num_samples": self.num_samples, "batch_size": self.batch_size,
-                "world_size": self.world_size, "seed": self.seed, "shuffle": self.shuffle,
-                "drop_last": self.drop_last, "buffer_rows": self.buffer_rows, "window_rows": self.window_rows,
-                "num_blocks": len(self.blocks)}
+def __getattr__(name: str):
+    if name == "StreamSource":  # it moved to data_stream.py (one design for files and Ray Data)
+        from .data_stream import StreamSource
+        return StreamSource
+    raise AttributeError(name)

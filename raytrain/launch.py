@@ -17,6 +17,7 @@ from ray.train.torch import TorchConfig
 from ray.train.torch.config import _TorchBackend
 
 from . import _ray_worker
+from .data_ray import blocks_for_workers
 from .state import TrainerState, TrainOutput
 
 logger = logging.getLogger(__name__)
@@ -61,9 +62,14 @@ def run_distributed(trainer, resume_from_checkpoint=None) -> TrainOutput:
         failure_config=FailureConfig(max_failures=scaling.max_failures),
         checkpoint_config=CheckpointConfig(num_to_keep=args.save_total_limit),
     )
+    # ray.data Datasets run once here, before the workers hold the CPUs; workers get the blocks.
+    blocks = blocks_for_workers(trainer)
+    view = copy.copy(trainer)
+    for key in blocks:
+        setattr(view, key, None)
     torch_trainer = TorchTrainer(
         _ray_worker.train_loop_per_worker,
-        train_loop_config={"trainer": _ray_worker.pickle_trainer(trainer, worker_args),
+        train_loop_config={"trainer": _ray_worker.pickle_trainer(view, worker_args), "datasets": blocks,
                            "resume_from_checkpoint": resume_from_checkpoint,
                            "run": f"{name}-{os.urandom(4).hex()}"},
         scaling_config=ScalingConfig(num_workers=scaling.num_workers, use_gpu=scaling.use_gpu,

@@ -77,13 +77,18 @@ class SweepTracker:
         client.set_terminated(parent, "FINISHED" if best is not None else "FAILED")
 
 
-def start_child_run(info: dict, trial_id: str, params: dict) -> str:
-    """In the trial: open (or, after a restore, reopen) its child run and point MLflowCallback at it."""
+def start_child_run(info: dict, trial_id: str, params: dict, args=None) -> str:
+    """In the trial: open (or, after a restore, reopen) its child run and point MLflowCallback at it.
+    The child's params (the trial's arguments and sampled values) are logged here: MLflowCallback
+    only logs metrics into a run it did not open."""
     tracker = SweepTracker(info["uri"], info["experiment_id"], info["parent_id"])
     client, run = tracker._child(trial_id)
     if run is None:
         run = client.create_run(info["experiment_id"], run_name=f"trial_{trial_id}",
                                 tags={"mlflow.parentRunId": info["parent_id"], "raytrain.trial_id": trial_id})
+        if args is not None:
+            from . import tracking
+            tracking.log_params(client, run.info.run_id, tracking.params_of(args, params))
     run_id = run.info.run_id
     os.environ["MLFLOW_TRACKING_URI"] = info["uri"]
     os.environ["MLFLOW_RUN_ID"] = run_id

@@ -20,7 +20,8 @@ from tests.tiny import StopAt
 from raytrain import Trainer, TrainingArguments
 from raytrain.data import (DataError, DataFileNotFoundError, Files, MapSource, build_source, model_inputs,
                            plan_epoch, trainer_datasets)
-from raytrain.data_files import StreamSource
+from raytrain.data_files import ParquetReader
+from raytrain.data_stream import StreamSource
 
 N = 103
 
@@ -49,17 +50,64 @@ def ids(batches) -> list[list[int]]:
     return [b["idx"].tolist() for b in batches]
 
 
+def write_text(directory, cols: dict, fmt: str, files: int = 8) -> str:
+    """`cols` as `files` CSV or JSON-lines files (CSV: the first element of a tensor column only)."""
+    os.makedirs(directory, exist_ok=True)
+    n = len(cols["idx"])
+    for i in range(files):
+        rows = range(i * n // files, (i + 1) * n // files)
+        if fmt == "csv":
+            text = "idx,x0,labels\n" + "".join(f"{j},{cols['x'][j][0]!r},{cols['labels'][j]}\n" for j in rows)
+        else:
+            text = "".join(json.dumps({"idx": j, "x": cols["x"][j].tolist(), "labels": int(cols["labels"][j])}) + "\n"
+                           for j in rows)
+        with open(os.path.join(directory, f"part-{i:03d}.{'csv' if fmt == 'csv' else 'jsonl'}"), "w") as f:
+            f.write(text)
+    return str(directory)
+
+
+_RAY_BLOCKS: dict = {}
+
+
+def ray_blocks(n: int = N):
+    """columns(n) as a ray Dataset with a map_batches stage, executed once per session (RayBlocks)."""
+    if n not in _RAY_BLOCKS:
+        import ray.data
+
+        from raytrain.data_ray import execute
+        items = [{"idx": i} for i in range(n)]
+        cols = columns(n)
+
+        def featurize(batch):  # runs in a Ray Data task: looks the rows up by id
+            return {"idx": batch["idx"], "x": cols["x"][batch["idx"]], "labels": cols["labels"][batch["idx"]]}
+        ds = ray.data.from_items(items, override_num_blocks=9).map_batches(featurize, batch_format="numpy")
+        _RAY_BLOCKS[n] = execute(ds)
+    return _RAY_BLOCKS[n]
+
+
 @pytest.fixture
-def parquet_dir(tmp_path):
+def parquet_dir(tmp_path, request):
+    kind = getattr(getattr(request.node, "callspec", None), "params", {}).get("kind")
+    if kind == "ray":
+        request.getfixturevalue("ray_cluster")
+    if kind in ("csv", "json"):
+        write_text(tmp_path / kind, columns(), kind)
     return write_parquet(tmp_path / "pq", columns())
 
 
-SOURCES = ["map", "stream"]
+SOURCES = ["map", "stream", "csv", "json", "ray"]
 
 
 def make(kind: str, parquet_dir: str, batch_size: int = 4, **kw):
     if kind == "map":
         return build_source(columns(), batch_size, **kw)
+    if kind in ("csv", "json"):
+        return build_source(Files(os.path.join(os.path.dirname(parquet_dir), kind), stream=True,
+                                  buffer_bytes=300), batch_size, **kw)
+    if kind == "ray":
+        blocks = ray_blocks()
+        blocks.buffer_bytes = 600
+        return build_source(blocks, batch_size, **kw)
     return build_source(Files(parquet_dir, stream=True, buffer_bytes=600), batch_size, **kw)
 
 
@@ -172,23 +220,23 @@ def run(out, data, stop=None, resume=None, **kw) -> Recorder:
     return model
 
 
-@pytest.mark.parametrize("kind", SOURCES)
+@pytest.mark.parametrize("kind", ["map", "stream", "ray"])
 def test_a_run_resumed_at_step_k_reads_what_the_uninterrupted_run_reads_from_k(kind, parquet_dir, tmp_path):
-    data = columns() if kind == "map" else Files(parquet_dir, stream=True, buffer_bytes=600)
+    data = {"map": columns(), "stream": Files(parquet_dir, stream=True, buffer_bytes=600), "ray": ray_blocks()}[kind]
     full = run(tmp_path / "full", data, save_strategy="no").seen
     assert len(full) == 30 and len(set(map(tuple, full[:26]))) == 26  # 26 batches per epoch: crosses into epoch 2
     for k in (5, 26, 27):
         out = tmp_path / f"stop{k}"
         run(out, data, stop=k, save_steps=k)
         saved = json.loads((out / f"checkpoint-{k}" / "data_state.json").read_text())
-        assert saved["epoch"] * 26 + saved["next_batch"] == k and saved["kind"] == kind
+        assert saved["epoch"] * 26 + saved["next_batch"] == k and saved["kind"] == {"ray": "stream"}.get(kind, kind)
         assert run(out, data, resume=True, save_strategy="no").seen == full[k:]
 
 
 def test_stream_resume_reads_one_window_not_the_consumed_data(parquet_dir, monkeypatch):
     reads = []
-    original = StreamSource._read
-    monkeypatch.setattr(StreamSource, "_read", lambda self, blk, lo, hi: reads.append(hi - lo) or
+    original = ParquetReader.read
+    monkeypatch.setattr(ParquetReader, "read", lambda self, blk, lo, hi: reads.append(hi - lo) or
                         original(self, blk, lo, hi))
     source = make("stream", parquet_dir, prefetch_batches=0, seed=2)
     reads.clear()
@@ -315,9 +363,11 @@ def test_ray_dataset_and_data_iterator_with_map_batches(ray_cluster):
         return {"idx": batch["id"], "x": np.stack([batch["id"] * 1.0, -batch["id"] * 1.0], axis=1)}
     ds = ray.data.range(60, override_num_blocks=6).map_batches(featurize, batch_format="numpy")
     source = build_source(ds, 8, seed=1, rank=1, world_size=2)
-    expected = build_source(columns(60), 8, seed=1, rank=1, world_size=2)
-    assert ids(source.iter_batches(0)) == ids(expected.iter_batches(0))  # the same rows, in Ray's order
-    assert next(iter(source.iter_batches(0)))["x"].shape == (8, 2)
+    assert isinstance(source, StreamSource) and source.num_samples == 60 and len(source.blocks) == 6
+    other = build_source(ds, 8, seed=1, rank=0, world_size=2)
+    assert sorted(i for r in (source, other) for b in ids(r.iter_batches(0)) for i in b) == list(range(60))
+    batch = next(iter(source.iter_batches(0)))
+    torch.testing.assert_close(batch["x"][:, 0], batch["idx"].double())
     from_iterator = build_source(ds.iterator(), 8, seed=1, rank=1, world_size=2)  # get_dataset_shard's type
     assert ids(from_iterator.iter_batches(0)) == ids(source.iter_batches(0))
     with pytest.raises(DataError, match="one worker.s split"):

@@ -1,0 +1,114 @@
+"""Helpers of tests/test_data_stream.py that Ray workers import by name (a test module is imported under
+another name there), and, run as a script, the 2-CPU cluster check: 2 training workers on ray.data inputs
+on a cluster of exactly 2 CPUs; it prints one JSON line (steps trained, the one-line error of a stage
+that can never be scheduled).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from raytrain import TrainerCallback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(2, 2)
+
+    def forward(self, x, labels=None):
+        logits = self.linear(x)
+        return {"logits": logits, "loss": F.cross_entropy(logits, labels)}
+
+
+def featurize(batch):
+    ids = batch["id"]
+    return {"x": np.stack([ids * 1.0, -ids * 1.0], axis=1).astype(np.float32), "labels": ids % 2}
+
+
+def featurize_ids(batch):
+    """A map_batches stage: features from the id, and the pid of the process it ran in."""
+    ids_ = batch["idx"]
+    return {"idx": ids_, "x": np.stack([ids_ * 1.0, -ids_ * 1.0], axis=1).astype(np.float32),
+            "labels": ids_ % 2, "pid": np.full(len(ids_), os.getpid())}
+
+
+
+class Recorder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.linear = nn.Linear(2, 2)
+        self.seen: list[list[int]] = []
+
+    def forward(self, x, idx, labels=None):
+        if self.training:
+            self.seen.append(idx.tolist())
+        logits = self.linear(x)
+        return {"logits": logits, "loss": F.cross_entropy(logits, labels)}
+
+
+class IdLog(TrainerCallback):
+    """Each rank appends (attempt start, step, ids) to ids-rank{R}.jsonl; at `pause_at` (first attempt only)
+    it writes its pid and waits to be killed from outside."""
+
+    def __init__(self, pause_at: int | None = None):
+        self.pause_at, self.start = pause_at, 0
+
+    def _path(self, args, name):
+        return os.path.join(args.output_dir, f"{name}-rank{os.environ.get('RANK', '0')}")
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = state.global_step
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        module = getattr(model, "module", model)
+        with open(self._path(args, "ids") + ".jsonl", "a") as f:
+            f.write(json.dumps({"start": self.start, "step": state.global_step, "ids": module.seen[-1]}) + "\n")
+        if state.global_step == self.pause_at and os.environ.get("RANK") == "1" and self.start == 0:
+            with open(self._path(args, "pid"), "w") as f:
+                f.write(str(os.getpid()))
+            time.sleep(300)  # killed from outside long before this ends
+
+
+def main(out_dir: str) -> None:
+    import ray
+    import ray.data
+
+    from raytrain import DataError, RayData, Trainer, TrainingArguments
+    from raytrain.data import build_source
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"PYTHONPATH": ROOT}})
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    result = {"cpus": ray.cluster_resources().get("CPU")}
+    items = [{"x": np.array([i, -i], dtype=np.float32), "labels": i % 2} for i in range(64)]
+    inputs = {"from_items": ray.data.from_items(items),
+              "range_map_batches": ray.data.range(64).map_batches(featurize, batch_format="numpy")}
+    for name, ds in inputs.items():
+        args = TrainingArguments(output_dir=os.path.join(out_dir, name), max_steps=4, per_device_train_batch_size=4,
+                                 disable_tqdm=True, report_to="none", save_strategy="no",
+                                 scaling={"num_workers": 2})
+        torch.manual_seed(0)
+        result[name] = Trainer(Tiny(), args, train_dataset=ds).train().global_step
+    stuck = ray.data.range(8).map_batches(featurize, batch_format="numpy", resources={"no_such_resource": 1})
+    try:
+        build_source(RayData(stuck, timeout_s=5), 4)
+    except DataError as e:
+        result["stalled"] = str(e)
+    print("RESULT " + json.dumps(result))
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, ROOT)
+    main(sys.argv[1])

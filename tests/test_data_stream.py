@@ -1,0 +1,239 @@
+"""Streaming Ray Data and files (data_stream.py, data_ray.py): never hangs, per-rank shares that cover each
+epoch exactly once, map_batches on the cluster, bounded worker memory, one-line errors, and a worker
+SIGKILLed from outside that ends bit-exact with the uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from raytrain import Files, RayData, Trainer, TrainingArguments
+from raytrain.data import DataError, build_source
+from raytrain.data_stream import StreamSource
+from tests.strategies._helpers import state_digest
+from tests.data_helpers import IdLog, Recorder, featurize_ids as _featurize
+from tests.test_data import columns, ids, write_parquet
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(cmd: list[str], timeout: int) -> str:
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:]
+
+
+# ---------------------------------------------------------------- never hangs
+
+
+@pytest.mark.timeout(600)
+def test_two_workers_on_a_two_cpu_cluster_train_from_ray_datasets(tmp_path):
+    """Its own cluster of exactly 2 CPUs (tests/data_helpers.py): from_items, and range + map_batches, each
+    with 2 workers holding both CPUs, finish; a stage that can never run fails in one line, naming it."""
+    result = json.loads(_run([sys.executable, os.path.join(ROOT, "tests", "data_helpers.py"), str(tmp_path)], 540))
+    assert result["cpus"] == 2 and result["from_items"] == 4 and result["range_map_batches"] == 4
+    stalled = result["stalled"]
+    assert "\n" not in stalled and "Ray Data produced no block for 5 s (0 so far)" in stalled
+    assert "stage MapBatches(featurize) waits with" in stalled and "of 2 cluster CPUs free" in stalled
+
+
+# ---------------------------------------------------------------- coverage, determinism, the stage's process
+
+
+def _ray_items(n: int):
+    import ray.data
+    return ray.data.from_items([{"idx": i} for i in range(n)], override_num_blocks=10).map_batches(
+        _featurize, batch_format="numpy")
+
+
+def _epochs(data, seed: int, world_size: int = 2, epochs: int = 2, batch_size: int = 4):
+    """Per epoch, per rank: the ids of each batch."""
+    sources = [build_source(data, batch_size, seed=seed, rank=r, world_size=world_size) for r in range(world_size)]
+    return [[ids(s.iter_batches(e)) for s in sources] for e in range(epochs)]
+
+
+def test_two_ranks_cover_each_epoch_once_in_a_seeded_order(ray_cluster, tmp_path):
+    parquet = Files(write_parquet(tmp_path / "pq", columns(), files=8, row_group=5), stream=True, buffer_bytes=400)
+    assert len(os.listdir(tmp_path / "pq")) == 8
+    for data, n in ((parquet, 103), (RayData(_ray_items(90), buffer_bytes=400), 90)):
+        runs = _epochs(data, seed=3)
+        for per_rank in runs:
+            assert len(per_rank[0]) == len(per_rank[1])  # equal step counts
+            seen = [i for rank in per_rank for b in rank for i in b]
+            assert sorted(seen) == list(range(n))  # every id exactly once per epoch
+            assert not set(i for b in per_rank[0] for i in b) & set(i for b in per_rank[1] for i in b)
+        assert runs[0] != runs[1]  # a new order each epoch
+        assert _epochs(data, seed=3) == runs  # identical on a re-run
+        assert _epochs(data, seed=4) != runs  # and different with another seed
+
+
+def test_map_batches_runs_in_a_ray_process_not_the_trainers(ray_cluster):
+    source = build_source(_ray_items(40), 8, seed=0)
+    pids = {int(p) for b in source.iter_batches(0) for p in b["pid"]}
+    assert pids and os.getpid() not in pids
+
+
+# ---------------------------------------------------------------- memory
+
+
+MEMORY_PROBE = """
+import gc, json, os, sys
+import numpy as np, ray, ray.data
+from raytrain.data import build_source
+from raytrain.data_ray import RayData
+
+def private():  # resident anonymous memory: what this process holds itself (object-store pages are shared)
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith("RssAnon:"))
+
+ray.init(address=sys.argv[1], log_to_driver=False)
+ray.data.DataContext.get_current().enable_progress_bars = False
+window, width, world_size = int(sys.argv[2]), 64, int(sys.argv[3])
+rows = 10 * window // (width * 4)
+def feat(b):
+    return {"idx": b["id"], "x": np.repeat(b["id"][:, None].astype(np.float32), width, 1)}
+ds = ray.data.range(rows, override_num_blocks=20).map_batches(feat, batch_format="numpy")
+source = build_source(RayData(ds, buffer_bytes=window), 256, seed=0, rank=0, world_size=world_size)
+gc.collect()
+base, peak, total, count = private(), 0, 0, 0
+for batch in source.iter_batches(0):
+    total += int(batch["idx"].sum()); count += len(batch["idx"])
+    peak = max(peak, private() - base)
+print("RESULT " + json.dumps({"peak": peak, "count": count, "total": total, "rows": rows,
+                              "nbytes": source.reader.nbytes}))
+"""
+
+
+@pytest.mark.timeout(300)
+def test_worker_memory_stays_within_two_windows_whatever_the_workers(ray_cluster):
+    """A Ray dataset 10x the 4 MiB window, read by rank 0 of 1 and of 2 workers, each in a fresh process:
+    its private resident memory grows by less than 2 windows, and it reads exactly its share."""
+    import ray
+    window = 4 << 20
+    address = ray.get_runtime_context().gcs_address
+    peaks = {}
+    for world_size in (1, 2):
+        r = json.loads(_run([sys.executable, "-c", MEMORY_PROBE, address, str(window), str(world_size)], 240))
+        assert r["nbytes"] > 10 * window and r["count"] == r["rows"] // world_size
+        if world_size == 1:
+            assert r["total"] == r["rows"] * (r["rows"] - 1) // 2
+        peaks[world_size] = r["peak"]
+        assert r["peak"] < 2 * window, r
+    assert abs(peaks[1] - peaks[2]) < window  # independent of the number of workers
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_bad_input_is_one_line_naming_the_stage_file_or_column(ray_cluster, tmp_path):
+    import ray.data
+
+    def explode(batch):
+        if (batch["id"] >= 5).any():
+            raise ValueError(f"cannot tokenize row {int(batch['id'][-1])}")
+        return batch
+    with pytest.raises(DataError) as e:
+        build_source(ray.data.range(10, override_num_blocks=2).map_batches(explode), 4, name="train_dataset")
+    msg = str(e.value)
+    assert "\n" not in msg and msg.startswith("train_dataset (ray Dataset MapBatches(explode)): stage ")
+    assert "MapBatches(explode) raised ValueError: cannot tokenize row 9" in msg
+    with pytest.raises(DataError, match=r"\(ray Dataset .*\): the dataset is empty \(0 rows\)"):
+        build_source(ray.data.range(10).filter(lambda row: False), 4)
+    with pytest.raises(DataError, match=r"train_dataset \(.*\): column 'labels' is missing from the data"):
+        build_source(ray.data.range(10), 4, columns=["labels"], name="train_dataset")
+
+    (tmp_path / "a.csv").write_text("idx,x\n1,0.5\n")
+    (tmp_path / "b.csv").write_text("idx,y\n2,0.5\n")
+    with pytest.raises(DataError, match=r"b.csv: column 'x' is missing \(unlike .*a.csv\)"):
+        build_source(Files(str(tmp_path / "*.csv"), stream=True), 1)
+
+    def broken(batch):
+        raise KeyError("text")
+    d = write_parquet(tmp_path / "pq", columns(), files=2)
+    with pytest.raises(DataError, match=r"dataset \(.*part-000.parquet row group 0\): preprocess broken raised "
+                                        r"KeyError: 'text'"):
+        build_source(Files(d, stream=True, preprocess=broken), 4)
+
+
+@pytest.mark.parametrize("fmt", ["csv", "jsonl"])
+def test_csv_and_json_stream_in_bounded_windows_and_resume_exactly(tmp_path, fmt):
+    def write(name, rows):
+        lines = [f"{i},{i / 2}" if fmt == "csv" else json.dumps({"idx": i, "x": i / 2}) for i in rows]
+        (tmp_path / f"{name}.{fmt}").write_text(("idx,x\n" if fmt == "csv" else "") + "\n".join(lines) + "\n")
+    write("a", range(50))
+    write("b", range(50, 77))
+    spec = Files(str(tmp_path / f"*.{fmt}"), stream=True, buffer_bytes=160)
+    source = build_source(spec, 5, seed=1)
+    assert isinstance(source, StreamSource) and source.num_samples == 77 and len(source.blocks) == 2
+    assert source.num_windows >= 3 and source.window_rows % 5 == 0  # a window is a few batches, not a file
+    full = ids(source.iter_batches(0))
+    flat = [i for b in full for i in b]
+    assert sorted(flat) == list(range(77)) and flat != sorted(flat)
+    assert ids(build_source(spec, 5, seed=1).iter_batches(0, 9)) == full[9:]
+    assert next(iter(source.iter_batches(0)))["x"].dtype == torch.float64
+
+
+# ---------------------------------------------------------------- SIGKILL from outside
+
+
+def _consumed(out_dir, rank: int) -> dict[int, list[int]]:
+    """step -> ids for one rank, the steps a restart replayed taken from the attempt that kept them."""
+    steps: dict[int, list[int]] = {}
+    with open(os.path.join(out_dir, f"ids-rank{rank}.jsonl")) as f:
+        for rec in map(json.loads, f):
+            steps = {s: v for s, v in steps.items() if s <= rec["start"]} if rec["step"] == rec["start"] + 1 \
+                else steps
+            steps[rec["step"]] = rec["ids"]
+    return steps
+
+
+@pytest.mark.timeout(600)
+def test_a_worker_sigkilled_mid_epoch_resumes_bit_exact_with_exact_passes(ray_cluster, tmp_path):
+    """2 workers on a ray Dataset (90 ids, 2 x 4 per step: 12 steps per epoch, 30 steps): rank 1 is
+    SIGKILLed from this process at step 17; Ray restarts the group from checkpoint-15."""
+    def args(out, **kw):
+        return TrainingArguments(output_dir=str(out), max_steps=30, per_device_train_batch_size=4, learning_rate=0.1,
+                                 save_steps=5, logging_steps=5, seed=0, disable_tqdm=True, report_to="none",
+                                 scaling={"num_workers": 2, "storage_path": str(tmp_path / "ray"), **kw},
+                                 distributed={"strategy": "ddp"})
+    data = RayData(_ray_items(90), buffer_bytes=400)
+    reference = Trainer(Recorder(), args(tmp_path / "ref"), train_dataset=data, callbacks=[IdLog()])
+    reference.train()
+
+    out = tmp_path / "killed"
+    killed: list[int] = []
+
+    def killer():
+        path = out / "pid-rank1"
+        deadline = time.time() + 400
+        while not path.exists() and time.time() < deadline:
+            time.sleep(0.2)
+        if path.exists():
+            time.sleep(0.2)
+            pid = int(path.read_text())
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
+    thread = threading.Thread(target=killer, daemon=True)
+    thread.start()
+    trainer = Trainer(Recorder(), args(out, max_failures=1), train_dataset=data, callbacks=[IdLog(pause_at=17)])
+    result = trainer.train()
+    thread.join(timeout=5)
+    assert killed and result.global_step == 30
+    assert state_digest(trainer.model.state_dict()) == state_digest(reference.model.state_dict())
+    for run in (tmp_path / "ref", out):
+        per_rank = [_consumed(run, r) for r in (0, 1)]
+        assert sorted(per_rank[0]) == list(range(1, 31))
+        for epoch in (0, 1):
+            steps = range(12 * epoch + 1, 12 * epoch + 13)
+            seen = [i for ranks in per_rank for s in steps for i in ranks[s]]
+            assert sorted(seen) == list(range(90))  # exactly one pass
+    assert [_consumed(out, r) for r in (0, 1)] == [_consumed(tmp_path / "ref", r) for r in (0, 1)]
