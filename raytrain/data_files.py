@@ -259,16 +259,9 @@ class ParquetReader:
 
     def read(self, blk: Block, lo: int, hi: int) -> dict[str, np.ndarray]:
         import pyarrow as pa
-        pf, pos, pieces = self._parquet(blk.path), 0, []
-        for rb in pf.iter_batches(batch_size=self.chunk_rows, row_groups=[blk.row_group],
-                                  columns=self.read_columns, use_threads=False):
-            n = rb.num_rows
-            if pos + n > lo:
-                s = max(lo - pos, 0)
-                pieces.append(rb.slice(s, min(hi - pos, n) - s))
-            pos += n
-            if pos >= hi:
-                break
+        pf = self._parquet(blk.path)
+        pieces = _rows(pf.iter_batches(batch_size=self.chunk_rows, row_groups=[blk.row_group],
+                                       columns=self.read_columns, use_threads=False), lo, hi)
         table = pa.Table.from_batches(pieces) if pieces else pf.schema_arrow.empty_table()
         if self.read_columns is not None and not pieces:
             table = table.select(self.read_columns)
@@ -331,15 +324,8 @@ class TextReader:
 
     def read(self, blk: FileBlock, lo: int, hi: int) -> dict[str, np.ndarray]:
         import pyarrow as pa
-        reader, pos, pieces = self._open(blk.path), 0, []
-        for rb in self._batches(reader, blk.path):
-            n = rb.num_rows
-            if pos + n > lo:
-                s = max(lo - pos, 0)
-                pieces.append(rb.slice(s, min(hi - pos, n) - s))
-            pos += n
-            if pos >= hi:
-                break
+        reader = self._open(blk.path)
+        pieces = _rows(self._batches(reader, blk.path), lo, hi)
         table = pa.Table.from_batches(pieces, schema=reader.schema)
         return table_to_numpy(table, self.name, blk.path)
 
@@ -402,3 +388,17 @@ def __getattr__(name: str):
         from .data_stream import StreamSource
         return StreamSource
     raise AttributeError(name)
+
+
+def _rows(batches, lo: int, hi: int) -> list:
+    """Rows [lo, hi) of a block read as record batches: slices of those batches, reading no further."""
+    pos, pieces = 0, []
+    for rb in batches:
+        n = rb.num_rows
+        if pos + n > lo:
+            s = max(lo - pos, 0)
+            pieces.append(rb.slice(s, min(hi - pos, n) - s))
+        pos += n
+        if pos >= hi:
+            break
+    return pieces

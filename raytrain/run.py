@@ -106,9 +106,11 @@ def _check_items(dataset, what: str) -> None:
     """A map-style dataset must yield dicts (one tensor or array per column); said before training."""
     from collections.abc import Mapping
 
-    if dataset is None or isinstance(dataset, Mapping) or not hasattr(dataset, "__getitem__") \
+    if dataset is None or isinstance(dataset, (Mapping, str)) or not hasattr(dataset, "__getitem__") \
             or not hasattr(dataset, "__len__") or type(dataset).__module__.startswith(("pyarrow", "ray.")):
         return
+    if isinstance(dataset, (list, tuple)) and dataset and all(isinstance(p, str) for p in dataset):
+        return  # a list of file paths: data.py reads and checks the files
     try:
         first = dataset[0] if len(dataset) else None
     except Exception:

@@ -477,7 +477,9 @@ def test_the_cli_prints_one_line_for_bad_data(tmp_path, capsys):
                       f"output_dir: {tmp_path / 'out'}\nmax_steps: 1\n")
     assert main(["--config", str(config), "--resume", "never"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"error: train_dataset: no such file or directory: '{tmp_path / 'x' / 'train.parquet'}'"]
+    log = tmp_path / "out" / "raytrain.log"
+    assert err == [f"error: train_dataset: no such file or directory: '{tmp_path / 'x' / 'train.parquet'}' "
+                   f"(traceback in {log}; --debug prints it)"]
 
 
 def bad_paths(where: str):
