@@ -45,10 +45,12 @@ def featurize_ids(batch):
 
 
 class Recorder(nn.Module):
-    def __init__(self):
+    """Records the sample ids of every training batch it sees."""
+
+    def __init__(self, features: int = 2):
         super().__init__()
         torch.manual_seed(0)
-        self.linear = nn.Linear(2, 2)
+        self.linear = nn.Linear(features, 2)
         self.seen: list[list[int]] = []
 
     def forward(self, x, idx, labels=None):

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from tests.data_helpers import Recorder
 from tests.tiny import StopAt
 from raytrain import Trainer, TrainingArguments
 from raytrain.data import (DataError, DataFileNotFoundError, Files, MapSource, build_source, model_inputs,
@@ -196,24 +197,8 @@ def test_mapsource_interface_is_kept():
 # ---------------------------------------------------------------- resume through the Trainer
 
 
-class Recorder(nn.Module):
-    """Records the sample ids of every training batch it sees."""
-
-    def __init__(self):
-        super().__init__()
-        self.linear = nn.Linear(4, 2)
-        self.seen: list[list[int]] = []
-
-    def forward(self, x, idx, labels=None):
-        if self.training:
-            self.seen.append(idx.tolist())
-        logits = self.linear(x)
-        return {"logits": logits, "loss": F.cross_entropy(logits, labels)}
-
-
 def run(out, data, stop=None, resume=None, **kw) -> Recorder:
-    torch.manual_seed(0)
-    model = Recorder()
+    model = Recorder(features=4)
     args = TrainingArguments(output_dir=str(out), per_device_train_batch_size=4, max_steps=30, learning_rate=0.1,
                              disable_tqdm=True, report_to="none", logging_steps=100, seed=0, **kw)
     Trainer(model, args, train_dataset=data, callbacks=[StopAt(stop)] if stop else []).train(resume)
