@@ -10,7 +10,7 @@ Prints, each against a reference measured in the same run, the order of the two 
   (b) median (target <= 1.05x) and mean step time with an async checkpoint every 10 steps against
       none (sync for comparison), and the main thread's CPU time per step (what the step itself pays,
       whatever else loads the machine); runs of the three modes rotated over rounds;
-  (c) load + verify: the weights' checksum + load_weights + load_state_dict against a bare
+  (c) load + verify: load_weights checksumming the bytes as it reads them + load_state_dict against a bare
       safetensors load_file + load_state_dict (load_file maps the file lazily: the copy into the
       model is where its bytes are read) (target >= 0.8x); also a whole checkpoint with AdamW state;
   (e) time from train(resume_from_checkpoint=...) to the first resumed step at step 10,000 against
@@ -166,17 +166,15 @@ def bench_load(mb: int, reps: int, tmp: str) -> dict:
         weights=state, pickles={"optimizer.pt": opt_state}, jsons={"trainer_state.json": {"global_step": 1}}))
     weights_file, opt_file = os.path.join(path, ckpt.WEIGHTS), os.path.join(path, "optimizer.pt")
 
-    def verify_weights():  # what resume checks of the weights: the manifest entry, size, checksum
-        manifest = json.load(open(os.path.join(path, ckpt.MANIFEST)))
-        if checkpoint_io.file_checksum(weights_file) != manifest["files"][ckpt.WEIGHTS][ckpt.CHECKSUM]:
-            raise RuntimeError("mismatch")
-
+    # What resume does: the manifest, the other files' sizes and checksums, then the weights checksummed
+    # as they are read (one pass over their bytes), all before anything is applied.
     fns = {
         "bare": lambda: model.load_state_dict(load_file(weights_file)),
-        "ours": lambda: (verify_weights(), model.load_state_dict(ckpt.load_weights(path))),
+        "ours": lambda: model.load_state_dict(ckpt.load_weights(path, ckpt.read_manifest(path))),
         "bare_full": lambda: (model.load_state_dict(load_file(weights_file)),
                               opt.load_state_dict(torch.load(opt_file, weights_only=True))),
-        "ours_full": lambda: (ckpt.verify_checkpoint(path), model.load_state_dict(ckpt.load_weights(path)),
+        "ours_full": lambda: (model.load_state_dict(ckpt.load_weights(
+                                  path, ckpt.verify_checkpoint(path, weights_on_load=True))),
                               opt.load_state_dict(ckpt.load_pickle(opt_file))),
     }
     t = alternate(reps, fns)

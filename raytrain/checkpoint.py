@@ -17,6 +17,7 @@ import os
 import pickle
 import re
 import shutil
+import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
@@ -25,8 +26,9 @@ from typing import Any, Callable
 import torch
 from safetensors import SafetensorError
 
-from .checkpoint_io import (ALGORITHMS, CHECKSUM, HostStaging, file_checksum, fsync_dir, fsync_file,
-                            lower_thread_priority, save_pickle, write_json, write_safetensors)
+from .checkpoint_io import (ALGORITHMS, CHECKSUM, ChecksumMismatch, HostStaging, file_checksum, fsync_dir,
+                            fsync_file, lower_thread_priority, read_safetensors, save_pickle, write_json,
+                            write_safetensors)
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +50,10 @@ PAUSE_ENV = "RAYTRAIN_TEST_PAUSE_IN_SAVE"
 
 class CheckpointError(RuntimeError):
     """A checkpoint that is incomplete, corrupt or unsafe; the message names the file."""
+
+
+class ChecksumError(CheckpointError):
+    """A file's bytes differ from its manifest entry (found while loading it)."""
 
 
 # ---------------------------------------------------------------- weights (safetensors)
@@ -101,10 +107,10 @@ def save_weights(state: dict[str, torch.Tensor], directory: str, max_shard_bytes
     return list(_write_weights(state, directory, max_shard_bytes))
 
 
-def load_weights(directory: str) -> dict[str, torch.Tensor]:
-    """Load model.safetensors or its shards (with tied-weight aliases restored), on CPU."""
-    from safetensors import safe_open
-
+def load_weights(directory: str, manifest: dict | None = None) -> dict[str, torch.Tensor]:
+    """Load model.safetensors or its shards (with tied-weight aliases restored), on CPU. With the
+    checkpoint's manifest, each weights file is checked against its checksum as it is read (one pass
+    over the bytes; verify_checkpoint(..., weights_on_load=True) leaves them to this)."""
     single = os.path.join(directory, WEIGHTS)
     index_path = os.path.join(directory, WEIGHTS_INDEX)
     if os.path.exists(single):
@@ -118,18 +124,36 @@ def load_weights(directory: str) -> dict[str, torch.Tensor]:
             raise CheckpointError(f"{index_path}: not a valid weights index ({e})") from e
     else:
         raise CheckpointError(f"{single}: missing (no {WEIGHTS} and no {WEIGHTS_INDEX})")
+    entries = (manifest or {}).get("files", {})
     state: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     for path in files:
+        entry = entries.get(os.path.relpath(path, directory))
+        expected = next(((a, entry[a]) for a in ALGORITHMS if a in entry), None) if entry else None
+        if manifest is not None and expected is None:
+            raise CheckpointError(f"{path}: not in the manifest {os.path.join(directory, MANIFEST)}")
         try:
-            with safe_open(path, "pt") as f:  # one mapping of the file: tensors are read as they are used
-                state.update((k, f.get_tensor(k)) for k in f.keys())
-                aliases.update(json.loads((f.metadata() or {}).get("aliases", "{}")))
-        except (SafetensorError, OSError, ValueError) as e:
+            tensors, meta = _read_weights_file(path, expected)
+        except ChecksumMismatch as e:
+            raise ChecksumError(f"{path}: {e}") from e
+        except (SafetensorError, OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
             raise CheckpointError(f"{path}: not a readable safetensors file ({e})") from e
+        state.update(tensors)
+        aliases.update(json.loads(meta.get("aliases", "{}")))
     for alias, target in aliases.items():
         state[alias] = state[target]
     return state
+
+
+def _read_weights_file(path: str, expected: tuple[str, str] | None) -> tuple[dict[str, torch.Tensor], dict]:
+    if sys.byteorder == "little":
+        return read_safetensors(path, expected)
+    from safetensors import safe_open  # safetensors is little-endian: its reader converts
+
+    if expected is not None and file_checksum(path, expected[0]) != expected[1]:
+        raise ChecksumMismatch(f"{expected[0]} checksum mismatch with the manifest (corrupted)")
+    with safe_open(path, "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
 
 
 def load_pickle(path: str) -> Any:
@@ -357,12 +381,8 @@ def weights_resaved_elsewhere(path: str) -> bool:
     return bool(names)
 
 
-def verify_checkpoint(path: str, ignore_weights: bool = False) -> dict:
-    """Check a checkpoint against its manifest (every file present, same size, same checksum, json
-    parsable; weights and trainer_state.json included); return the manifest or raise a
-    CheckpointError naming the bad file and the reason. Each entry names its algorithm (xxh3_128;
-    sha256 in checkpoints of format 1). ignore_weights skips the weights files (for a checkpoint
-    whose weights were re-saved, e.g. by save_pretrained, and are checked by loading)."""
+def read_manifest(path: str) -> dict:
+    """A checkpoint's parsed manifest, or a CheckpointError naming what is wrong with it."""
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: not a checkpoint directory (it does not exist or is a file)")
     mpath = os.path.join(path, MANIFEST)
@@ -380,6 +400,19 @@ def verify_checkpoint(path: str, ignore_weights: bool = False) -> dict:
     if not isinstance(version, int) or version > FORMAT_VERSION:
         raise CheckpointError(f"{mpath}: format_version {version!r} is newer than this raytrain reads "
                               f"({FORMAT_VERSION}); upgrade raytrain")
+    return manifest
+
+
+def verify_checkpoint(path: str, ignore_weights: bool = False, weights_on_load: bool = False) -> dict:
+    """Check a checkpoint against its manifest (every file present, same size, same checksum, json
+    parsable; weights and trainer_state.json included); return the manifest or raise a
+    CheckpointError naming the bad file and the reason. Each entry names its algorithm (xxh3_128;
+    sha256 in checkpoints of format 1). ignore_weights skips the weights files (for a checkpoint
+    whose weights were re-saved, e.g. by save_pretrained, and are checked by loading). weights_on_load
+    checks the weights files' names and sizes only: load_weights(path, manifest) checks their checksums
+    as it reads them, before anything is applied."""
+    manifest = read_manifest(path)
+    files, mpath = manifest["files"], os.path.join(path, MANIFEST)
     for required in (WEIGHTS if WEIGHTS_INDEX not in files else WEIGHTS_INDEX, TRAINER_STATE):
         if required not in files and not (ignore_weights and is_weights_file(required)):
             raise CheckpointError(f"{os.path.join(path, required)}: missing (not in the manifest)")
@@ -397,7 +430,8 @@ def verify_checkpoint(path: str, ignore_weights: bool = False) -> dict:
         if algorithm is None:
             raise CheckpointError(f"{mpath}: the entry of {rel} has no checksum this raytrain knows "
                                   f"(expected one of {', '.join(ALGORITHMS)})")
-        checks.append((rel, fpath, algorithm, meta[algorithm]))
+        if not (weights_on_load and is_weights_file(rel) and rel != WEIGHTS_INDEX):
+            checks.append((rel, fpath, algorithm, meta[algorithm]))
     # Files are checksummed concurrently (the hash releases the GIL); the first bad one in manifest order is named.
     with ThreadPoolExecutor(min(4, len(checks) or 1), "raytrain-verify") as pool:
         sums = list(pool.map(lambda c: file_checksum(c[1], c[2]), checks))
@@ -426,12 +460,13 @@ def sorted_checkpoints(output_dir: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def get_last_checkpoint(output_dir: str) -> str | None:
+def get_last_checkpoint(output_dir: str, weights_on_load: bool = False) -> str | None:
     """The newest complete, verified checkpoint; corrupt ones are skipped with a warning that names
-    the bad file and the reason."""
+    the bad file and the reason. weights_on_load: as verify_checkpoint's (the caller loads the
+    weights with the manifest next)."""
     for _, path in reversed(sorted_checkpoints(output_dir)):
         try:
-            verify_checkpoint(path)
+            verify_checkpoint(path, weights_on_load=weights_on_load)
             return path
         except CheckpointError as e:
             logger.warning("skipping checkpoint %s: %s; trying the next older one", path, e)

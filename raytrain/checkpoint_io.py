@@ -166,6 +166,51 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: dic
     return write_bytes(path, [struct.pack("<Q", len(head)) + head, *flat])
 
 
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+
+
+class ChecksumMismatch(ValueError):
+    """The bytes read differ from the manifest's checksum."""
+
+
+def read_safetensors(path: str, expected: tuple[str, str] | None = None) -> tuple[dict[str, torch.Tensor], dict]:
+    """Read a safetensors file as safetensors' own loader does (a private mapping of the file; the
+    tensors are views of it, read when used), checksumming it first when `expected` = (algorithm,
+    hex digest) from the manifest: a wrong byte is refused before any tensor is handed out.
+    Returns (tensors, header metadata); raises ChecksumMismatch, or ValueError for a malformed file."""
+    size = os.path.getsize(path)
+    buf = torch.empty(0, dtype=torch.uint8)
+    if size:
+        buf.set_(torch.UntypedStorage.from_file(path, shared=False, nbytes=size))
+    view = memoryview(buf.numpy()).cast("B")
+    if expected is not None:
+        h = ALGORITHMS[expected[0]]()
+        h.update(view)
+        if h.hexdigest() != expected[1]:
+            raise ChecksumMismatch(f"{expected[0]} checksum mismatch with the manifest (corrupted)")
+    if size < 8:
+        raise ValueError("shorter than a safetensors header")
+    (head_len,) = struct.unpack("<Q", bytes(view[:8]))
+    if head_len > size - 8:
+        raise ValueError(f"header length {head_len} exceeds the file")
+    header = json.loads(bytes(view[8:8 + head_len]))
+    start = 8 + head_len
+    meta = header.pop("__metadata__", None) or {}
+    out = {}
+    for name, info in header.items():
+        dtype = _ST_NAMES.get(info["dtype"])
+        if dtype is None:
+            raise ValueError(f"tensor {name}: dtype {info['dtype']} is not supported")
+        lo, hi = info["data_offsets"]
+        if not 0 <= lo <= hi <= size - start:
+            raise ValueError(f"tensor {name}: data offsets {lo}..{hi} outside the file")
+        raw = buf[start + lo:start + hi]
+        if (start + lo) % dtype.itemsize:  # unaligned (written by another tool): a copy is aligned
+            raw = raw.clone()
+        out[name] = raw.view(dtype).reshape(info["shape"])
+    return out, meta
+
+
 # ---------------------------------------------------------------- the host copy of an asynchronous save
 
 

@@ -273,8 +273,16 @@ def _flip(path):
     f.write_bytes(bytes(data))
 
 
+def _flip_weights(path):
+    f = path / "model.safetensors"
+    data = bytearray(f.read_bytes())
+    data[-3] ^= 0x01  # a tensor's byte: same size, still a valid safetensors file
+    f.write_bytes(bytes(data))
+
+
 CORRUPTIONS = {
     "truncated_weights": (_truncate, "model.safetensors", "truncated"),
+    "flipped_weights_byte": (_flip_weights, "model.safetensors", "xxh3_128 checksum mismatch"),
     "flipped_optimizer_byte": (_flip, "optimizer.pt", "xxh3_128 checksum mismatch"),
     "deleted_trainer_state": (lambda p: os.remove(p / "trainer_state.json"), "trainer_state.json", "missing"),
     "deleted_manifest": (lambda p: os.remove(p / "manifest.json"), "manifest.json", "never completed"),
@@ -459,3 +467,25 @@ def test_async_failure_in_the_final_save_is_not_swallowed(tmp_path, monkeypatch)
     with pytest.raises(CheckpointError, match="disk went away"):
         make_trainer(tmp_path, max_steps=4, save_steps=2, save_async=True).train()
     assert get_last_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-2")
+
+
+def test_weights_read_in_one_pass_equal_safetensors_own_reader(tmp_path):
+    """load_weights parses safetensors itself (checksumming the bytes as it reads them): every dtype,
+    a scalar, an empty tensor and tied weights come back equal to safetensors' load_file."""
+    from safetensors.torch import load_file
+
+    g = torch.Generator().manual_seed(0)
+    emb = torch.randn(5, 3, generator=g)
+    state = {"f32": torch.randn(4, 3, generator=g), "bf16": torch.randn(7, generator=g).bfloat16(),
+             "f16": torch.randn(3, generator=g).half(), "i64": torch.arange(5), "i8": torch.arange(-3, 4).to(torch.int8),
+             "flag": torch.tensor([True, False, True]), "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4),
+             "emb": emb, "head": emb}
+    ckpt.save_weights(state, str(tmp_path))
+    loaded = ckpt.load_weights(str(tmp_path))
+    reference = load_file(str(tmp_path / "model.safetensors"))
+    assert set(loaded) == set(state) and set(reference) == set(state) - {"head"}
+    for name, t in state.items():
+        assert loaded[name].dtype == t.dtype and loaded[name].shape == t.shape and torch.equal(loaded[name], t), name
+    for name, t in reference.items():
+        assert torch.equal(loaded[name], t), name
+    assert loaded["head"].data_ptr() == loaded["emb"].data_ptr()  # tied again

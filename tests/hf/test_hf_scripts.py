@@ -125,10 +125,10 @@ def test_resume_with_changed_batch_size_warns_and_reaches_max_steps(tmp_path, ca
 
     Trainer(model=scripts.TinyRegressor(), args=args(8, 2), train_dataset=scripts.regression_data()).train()
     trainer = Trainer(model=scripts.TinyRegressor(), args=args(4, 6), train_dataset=scripts.regression_data())
-    with caplog.at_level(logging.WARNING, logger="raytrain.loop"):
+    with caplog.at_level(logging.WARNING, logger="raytrain.resume"):
         out = trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     assert out.global_step == 6 and trainer.state.global_step == 6
-    assert any(rec.name == "raytrain.loop" and rec.levelno == logging.WARNING and "checkpoint-2" in rec.getMessage()
+    assert any(rec.name == "raytrain.resume" and rec.levelno == logging.WARNING and "checkpoint-2" in rec.getMessage()
                and "batch_size 8 -> 4" in rec.getMessage()
                for rec in caplog.records), [rec.getMessage() for rec in caplog.records]
 
