@@ -525,10 +525,12 @@ class _Rules(_Config):
     def _apply_hf_backends(self) -> None:
         """HF's top-level `deepspeed` / `fsdp` switches select our distributed backend."""
         dist = self.distributed
-        if self.deepspeed and dist.strategy == "auto":
-            dist.__dict__.update(strategy="deepspeed", deepspeed=dist.deepspeed or self.deepspeed)
-        elif self.fsdp and dist.strategy == "auto":
-            dist.__dict__["strategy"] = "fsdp"
+        if dist.strategy != "auto" or not (self.deepspeed or self.fsdp):
+            return
+        update = ({"strategy": "deepspeed", "deepspeed": dist.deepspeed or self.deepspeed} if self.deepspeed
+                  else {"strategy": "fsdp"})
+        # a new section, validated as any other; __dict__ as above, to not re-run this validator
+        self.__dict__["distributed"] = type(dist).model_validate({**dist.model_dump(), **update})
 
     def _check_load_best(self) -> None:
         if self.eval_strategy == "no":

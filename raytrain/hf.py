@@ -6,6 +6,7 @@ from them (checked by module name), so `import raytrain` stays light.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import os
@@ -51,10 +52,10 @@ def default_collator(processing_class: Any):
 
 def signature_columns(model: Any, label_names: list[str]) -> list[str]:
     """The names HF keeps when removing unused columns: forward's parameters, labels and their aliases."""
-    fwd = getattr(model, "module", model)
-    fwd = getattr(fwd, "_orig_mod", fwd)
+    from .strategies.base import unwrap_model
+
     try:
-        names = list(inspect.signature(fwd.forward).parameters)
+        names = list(inspect.signature(unwrap_model(model).forward).parameters)
     except (TypeError, ValueError, AttributeError):
         return []
     return list(dict.fromkeys(names + list(LABEL_ALIASES) + list(label_names)))
@@ -157,10 +158,13 @@ class LabelSmoother:
 
 def is_causal_lm(model: Any) -> bool:
     """HF shifts labels for label smoothing on causal LMs (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)."""
-    if not is_pretrained_model(model):
-        return False
+    return is_pretrained_model(model) and _causal_lm_class(type(model).__name__)
+
+
+@functools.lru_cache(maxsize=None)
+def _causal_lm_class(name: str) -> bool:  # asked every micro-batch when label smoothing is on
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    return type(model).__name__ in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+    return name in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
 
 
 # ---------------------------------------------------------------- saving

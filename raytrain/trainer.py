@@ -20,6 +20,7 @@ from .evaluation import EvalLoopOutput, evaluation_loop
 from .optim import create_optimizer, create_scheduler, get_lr, get_parameter_groups
 from .seeding import set_seed
 from .state import PredictionOutput, TrainerControl, TrainerState, TrainOutput
+from .strategies.base import unwrap_model
 
 logger = logging.getLogger(__name__)
 
@@ -334,7 +335,7 @@ class Trainer:
             if self.compute_loss_func is not None:
                 loss = self.compute_loss_func(outputs, labels, num_items_in_batch)
             else:
-                total, items = self.label_smoother(outputs, labels, shift_labels=hf.is_causal_lm(_unwrap(model)))
+                total, items = self.label_smoother(outputs, labels, shift_labels=hf.is_causal_lm(unwrap_model(model)))
                 loss = total / (num_items_in_batch if num_items_in_batch is not None else items)
         elif num_items_in_batch is not None and self._wants_num_items():
             outputs = model(**inputs, num_items_in_batch=num_items_in_batch)
@@ -367,7 +368,7 @@ class Trainer:
             labels = tuple(inputs[k].detach() for k in self.label_names)
             labels = labels[0] if len(labels) == 1 else labels
         if ignore_keys is None:
-            ignore_keys = hf.ignore_keys_for(_unwrap(model))
+            ignore_keys = hf.ignore_keys_for(unwrap_model(model))
         with torch.no_grad(), self._get_strategy().autocast():
             if has_labels and self.compute_loss_func is not None and "labels" in inputs:
                 outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
@@ -499,17 +500,12 @@ def _is_out_of_memory(e: BaseException) -> bool:
                                             or "DefaultCPUAllocator: can't allocate memory" in text)
 
 
-def _unwrap(model):
-    model = getattr(model, "module", model)
-    return getattr(model, "_orig_mod", model)
-
-
 def _default_label_names(model) -> list[str]:
     """HF's default: the label arguments of a transformers model's forward (e.g. start_positions and
     end_positions for question answering); ["labels"] for any other model."""
     if hf.is_pretrained_model(model):
         from transformers.utils import find_labels
-        names = find_labels(type(_unwrap(model)))
+        names = find_labels(type(unwrap_model(model)))
         if names:
             return names
     return ["labels"]
@@ -543,8 +539,7 @@ def _integration_callbacks(args) -> list:
 
 
 def _accepts_num_items(model) -> bool:
-    fwd = getattr(model, "module", model)
-    fwd = getattr(fwd, "_orig_mod", fwd).forward
+    fwd = unwrap_model(model).forward
     try:
         params = inspect.signature(fwd).parameters
     except (TypeError, ValueError):

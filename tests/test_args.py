@@ -240,3 +240,14 @@ def test_bare_yaml_no_means_the_no_strategy(tmp_path):
     cfg.write_text("save_strategy: no\neval_strategy: no\n")
     args = TrainingArguments.from_yaml(cfg, ["logging_strategy=no"])
     assert (args.save_strategy, args.eval_strategy, args.logging_strategy) == ("no", "no", "no")
+
+
+def test_hf_deepspeed_and_fsdp_fields_select_the_backend_through_a_validated_section(tmp_path):
+    from raytrain.config import DistributedConfig
+
+    ds = TrainingArguments(str(tmp_path), deepspeed={"zero_optimization": {"stage": 2}})
+    assert isinstance(ds.distributed, DistributedConfig)
+    assert ds.distributed.strategy == "deepspeed" and ds.distributed.deepspeed == {"zero_optimization": {"stage": 2}}
+    assert TrainingArguments(str(tmp_path), fsdp="full_shard").distributed.strategy == "fsdp"
+    explicit = TrainingArguments(str(tmp_path), fsdp="full_shard", distributed={"strategy": "ddp"})
+    assert explicit.distributed.strategy == "ddp"  # an explicit section wins over HF's switch

@@ -21,6 +21,12 @@ DCP_DIR = "dcp"                    # torch.distributed.checkpoint, sharded by ra
 DEEPSPEED_DIR = "deepspeed"        # DeepSpeed's own engine checkpoint (ZeRO partitions)
 
 
+def unwrap_model(model: Any) -> Any:
+    """The user's module inside a DDP / DeepSpeed wrapper (`.module`) and torch.compile (`._orig_mod`)."""
+    model = getattr(model, "module", model)
+    return getattr(model, "_orig_mod", model)
+
+
 class Strategy:
     """One backend. Subclasses override what differs; the defaults are the single-process ones."""
 
@@ -57,8 +63,7 @@ class Strategy:
         return model, optimizer if optimizer is not None else optimizer_factory(model)
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        model = getattr(model, "module", model)
-        return getattr(model, "_orig_mod", model)
+        return unwrap_model(model)
 
     # -- the step
     def autocast(self):
