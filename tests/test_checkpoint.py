@@ -489,3 +489,51 @@ def test_weights_read_in_one_pass_equal_safetensors_own_reader(tmp_path):
     for name, t in reference.items():
         assert torch.equal(loaded[name], t), name
     assert loaded["head"].data_ptr() == loaded["emb"].data_ptr()  # tied again
+
+
+@pytest.mark.parametrize("size", [0, 100, 4096, 4097, (1 << 20) + 5, 3 << 20])
+def test_direct_io_writes_the_same_bytes_and_checksum_as_the_page_cache(tmp_path, size):
+    from raytrain import checkpoint_io
+
+    data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
+    pieces = [data[:7], data[7:size // 2], data[size // 2:]]  # writes that straddle the aligned blocks
+    direct = checkpoint_io.write_bytes(str(tmp_path / "direct"), pieces, direct=True)
+    cached = checkpoint_io.write_bytes(str(tmp_path / "cached"), pieces, direct=False)
+    assert (tmp_path / "direct").read_bytes() == data == (tmp_path / "cached").read_bytes()
+    assert direct == cached == {"size": size, "xxh3_128": checkpoint_io.file_checksum(str(tmp_path / "cached"))}
+
+
+def test_direct_io_is_used_where_the_filesystem_allows_it(tmp_path):
+    from raytrain import checkpoint_io
+
+    fd = checkpoint_io._open_direct(str(tmp_path / "probe"))
+    if fd is None:
+        pytest.skip("this filesystem has no O_DIRECT")
+    os.close(fd)
+    f = checkpoint_io.ChecksumFile(str(tmp_path / "w"), direct=True)
+    assert f._fd is not None  # the direct path, not the fallback
+    f.write(b"x" * 5000)
+    assert f.close()["size"] == 5000 and (tmp_path / "w").read_bytes() == b"x" * 5000
+
+
+def test_a_filesystem_that_refuses_direct_writes_falls_back_to_the_page_cache(tmp_path, monkeypatch):
+    import errno
+
+    from raytrain import checkpoint_io
+
+    if checkpoint_io._open_direct(str(tmp_path / "probe")) is None:
+        pytest.skip("this filesystem has no O_DIRECT")
+    real_write, calls = os.write, []
+
+    def refuse_second(fd, data):  # the first block goes through, the next is refused mid-file
+        calls.append(fd)
+        if len(calls) == 2:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(checkpoint_io.os, "write", refuse_second)
+    data = np.random.default_rng(1).integers(0, 256, (3 << 20) + 11, dtype=np.uint8).tobytes()
+    entry = checkpoint_io.write_bytes(str(tmp_path / "w"), [data], direct=True)
+    monkeypatch.undo()
+    assert len(calls) == 2 and (tmp_path / "w").read_bytes() == data
+    assert entry == {"size": len(data), "xxh3_128": checkpoint_io.file_checksum(str(tmp_path / "w"))}
