@@ -310,15 +310,20 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--resume-at", type=int, default=10_000)
     p.add_argument("--parts", default="a,b,c,e", help="which measurements to run")
+    p.add_argument("--page-cache", action="store_true",
+                   help="write checkpoints through the page cache instead of O_DIRECT (for comparison)")
     p.add_argument("--threads", type=int, default=1,
                    help="torch intra-op threads; 1 leaves the other cores to the background writer, as a GPU "
                         "job leaves its CPU cores, and keeps step times steady on a shared machine")
     a = p.parse_args()
     parts = set(a.parts.split(","))
     torch.set_num_threads(a.threads)
+    if a.page_cache:
+        checkpoint_io._DIRECT_MIN = 1 << 62
     start = time.perf_counter()
     print(f"machine: {platform.platform()} cpus={os.cpu_count()} torch={torch.__version__} "
-          f"python={platform.python_version()} torch_threads={a.threads} load_avg={os.getloadavg()[0]:.2f}")
+          f"python={platform.python_version()} torch_threads={a.threads} "
+          f"writes={'page cache' if a.page_cache else 'O_DIRECT where allowed'} load_avg={os.getloadavg()[0]:.2f}")
     rows = []
     with tempfile.TemporaryDirectory(dir=os.environ.get("RAYTRAIN_BENCH_DIR")) as tmp:
         if "a" in parts:
