@@ -210,11 +210,12 @@ def test_ray_job_submit_end_to_end(ray_head, tmp_path):
     assert refused.returncode != 0, refused.stdout[-2000:]
     assert "AuthenticationError: Authentication required: Unauthorized: Missing authentication token" \
         in refused.stderr, refused.stderr[-2000:]
-    out = tmp_path / "out"
+    out, store = tmp_path / "out", f"sqlite:///{tmp_path / 'mlflow.db'}"
     cmd = ["ray", "job", "submit", "--address", address, "--working-dir", ".", "--",
-           "python", "-m", "raytrain.run", "--config", "examples/digits.yaml",
+           "env", f"MLFLOW_TRACKING_URI={store}", "python", "-m", "raytrain.run", "--config", "examples/digits.yaml",
            "--set", "scaling.num_workers=2", "--set", f"scaling.storage_path={tmp_path / 'ray'}",
-           "--set", f"output_dir={out}", "--set", "num_train_epochs=2", "--set", "logging_steps=10"]
+           "--set", f"output_dir={out}", "--set", "num_train_epochs=2", "--set", "logging_steps=10",
+           "--set", "report_to=mlflow", "--no-report"]
     for _ in range(12):  # the head's job agent can come up after its dashboard on a busy machine
         proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=360)
         log = proc.stdout + proc.stderr
@@ -234,6 +235,14 @@ def test_ray_job_submit_end_to_end(ray_head, tmp_path):
     assert summary["eval_accuracy"] > 0.8
     assert {"checkpoint-23", "checkpoint-46", "final"} <= set(os.listdir(out))
     assert os.path.exists(out / "final" / "model.safetensors")
+    # The MLflow run is tagged with the Ray job's submission id; rank 0 logged the metrics from its worker.
+    import mlflow
+
+    job = re.search(r"Job '(raysubmit_\w+)' submitted successfully", log).group(1)
+    client = mlflow.tracking.MlflowClient(store)
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.data.tags["ray.job_id"] == job and run.data.tags["raytrain.world_size"] == "2"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [10, 20, 30, 40]
 
 
 def test_cluster_yaml_passes_rays_autoscaler_validation():
