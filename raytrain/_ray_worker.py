@@ -109,12 +109,14 @@ class RayReportCallback(TrainerCallback):
 
 
 def _quiet_ray_reports() -> None:
-    """Ray Train logs each ray.train.report of every rank at INFO ("Reporting training result N: ..."),
-    which the driver would print next to its own progress lines. That logger is named after its file
-    (RunConfig's LoggingConfig does not reach it), so it is quietened here."""
-    from ray.train.v2._internal.execution import context
+    """Ray Train logs each ray.train.report of every rank at INFO ("Reporting training result N: ...")
+    and each checkpoint it registers ("Checkpoint successfully created at: ..."); the driver would
+    print them through its progress bar. The first logger is named after its file (RunConfig's
+    LoggingConfig does not reach it), so both are quietened here, on the workers only."""
+    from ray.train.v2._internal.execution import context, storage
 
     context.logger.setLevel(logging.WARNING)
+    storage.logger.setLevel(logging.WARNING)
 
 
 def _progress_feeder(feed) -> ProgressFeeder:
