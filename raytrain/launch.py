@@ -70,23 +70,23 @@ def run_distributed(trainer, resume_from_checkpoint=None) -> TrainOutput:
     view = copy.copy(trainer)
     for key in blocks:
         setattr(view, key, None)
-    try:
-        with _driver_progress(trainer) as feed:
-            torch_trainer = TorchTrainer(
-                _ray_worker.train_loop_per_worker,
-                train_loop_config={"trainer": _ray_worker.pickle_trainer(view, worker_args), "datasets": blocks,
-                                   "resume_from_checkpoint": resume_from_checkpoint,
-                                   "run": f"{name}-{os.urandom(4).hex()}", "progress": feed},
-                scaling_config=ScalingConfig(num_workers=scaling.num_workers, use_gpu=scaling.use_gpu,
-                                             resources_per_worker=scaling.resources_per_worker,
-                                             placement_strategy=scaling.placement_strategy),
-                run_config=run_config,
-                torch_config=_RaytrainTorchConfig(),
-            )
+    with _driver_progress(trainer) as feed:
+        torch_trainer = TorchTrainer(
+            _ray_worker.train_loop_per_worker,
+            train_loop_config={"trainer": _ray_worker.pickle_trainer(view, worker_args), "datasets": blocks,
+                               "resume_from_checkpoint": resume_from_checkpoint,
+                               "run": f"{name}-{os.urandom(4).hex()}", "progress": feed},
+            scaling_config=ScalingConfig(num_workers=scaling.num_workers, use_gpu=scaling.use_gpu,
+                                         resources_per_worker=scaling.resources_per_worker,
+                                         placement_strategy=scaling.placement_strategy),
+            run_config=run_config,
+            torch_config=_RaytrainTorchConfig(),
+        )
+        try:
             with _sigint_restored():
                 result = torch_trainer.fit()
-    except Exception as e:
-        raise _worker_error(e) from e
+        except Exception as e:
+            raise _worker_error(e) from e
     return _apply_result(trainer, result.return_value)
 
 
@@ -138,7 +138,8 @@ def _driver_progress(trainer, poll_s: float = 0.2):
         with contextlib.suppress(Exception):  # what rank 0 sent last (its flush waited for delivery)
             replay(ray.get(feed.drain.remote(), timeout=10))
         replay.close()
-        ray.kill(feed)
+        with contextlib.suppress(Exception):  # Ray may be gone already (a second Ctrl-C)
+            ray.kill(feed)
 
 
 def _apply_result(trainer, value: dict) -> TrainOutput:
