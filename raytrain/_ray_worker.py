@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from .callbacks import TrainerCallback
+from .callbacks.progress import ProgressFeeder, progress_callbacks
 from .checkpoint import MANIFEST, checkpoint_dir, get_last_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -107,6 +108,37 @@ class RayReportCallback(TrainerCallback):
                          checkpoint=checkpoint)
 
 
+def _quiet_ray_reports() -> None:
+    """Ray Train logs each ray.train.report of every rank at INFO ("Reporting training result N: ...")
+    and each checkpoint it registers ("Checkpoint successfully created at: ..."); the driver would
+    print them through its progress bar. The first logger is named after its file (RunConfig's
+    LoggingConfig does not reach it), so both are quietened here, on the workers only."""
+    from ray.train.v2._internal.execution import context, storage
+
+    context.logger.setLevel(logging.WARNING)
+    storage.logger.setLevel(logging.WARNING)
+
+
+def _progress_feeder(feed) -> ProgressFeeder:
+    """Rank 0's progress events to the driver's ProgressFeed actor: fire-and-forget calls (in order:
+    one caller, one actor), a blocking one for the last events."""
+    import ray
+
+    def send(events):
+        try:
+            feed.push.remote(events)
+        except Exception as e:  # noqa: BLE001 - progress is a view: never fail training over it
+            logger.debug("progress not sent to the driver: %s", e)
+
+    def flush(events):
+        try:
+            ray.get(feed.push.remote(events), timeout=30)
+        except Exception as e:  # noqa: BLE001
+            logger.debug("progress not sent to the driver: %s", e)
+
+    return ProgressFeeder(send, flush)
+
+
 def _plain(logs: dict) -> dict:
     return {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in logs.items()}
 
@@ -133,6 +165,12 @@ def train_loop_per_worker(config: dict) -> dict | None:
     preemption = PreemptionCallback(strategy)
     trial = config.get("trial")  # a sweep trial's reporter (raytrain.tune) reports evaluations instead
     trainer.add_callback(trial if trial is not None else RayReportCallback(strategy.rank))
+    if config.get("progress") is not None:  # the driver draws the progress; the workers print none of it
+        for cb in progress_callbacks(trainer.callback_handler.callbacks):
+            trainer.remove_callback(cb)
+        if strategy.is_main:
+            trainer.add_callback(_progress_feeder(config["progress"]))
+        _quiet_ray_reports()
     trainer.add_callback(preemption)
 
     reported = ray.train.get_checkpoint()

@@ -11,11 +11,16 @@ the final evaluation) it raises Interrupted at once: there is no step boundary t
 signal exits the process at once. When the loop runs in Ray workers instead (ray_train_signals),
 the first signal is forwarded to them as SIGTERM: their handler (_ray_worker.py) saves at the next
 step boundary, then the run is aborted so that Ray does not restart them.
+
+Trainer.train() called from Python (python_interrupts) behaves alike for Ctrl-C, in Python's terms:
+the first saves at the next step boundary, then KeyboardInterrupt is raised naming the checkpoint and
+`resume_from_checkpoint=...`; a second raises KeyboardInterrupt at once.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -25,6 +30,8 @@ import time
 from .callbacks.base import TrainerCallback
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+logger = logging.getLogger(__name__)
 
 
 class Interrupted(Exception):
@@ -114,6 +121,54 @@ class StopOnSignal(TrainerCallback):
 
     def on_train_end(self, args, state, control, **kwargs):
         self.stop.training = False
+
+
+@contextlib.contextmanager
+def python_interrupts(trainer):
+    """Ctrl-C during an in-process Trainer.train() called from Python: save at the next step boundary
+    (save_strategy permitting), then raise KeyboardInterrupt saying what was saved and how to continue;
+    a second Ctrl-C, or one outside the loop, raises KeyboardInterrupt at once. Only in the main thread
+    and over Python's default handler (the CLI, a sweep trial or an application keep theirs); the
+    default handler is back when train() returns or raises."""
+    if threading.current_thread() is not threading.main_thread() or \
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield None
+        return
+    stop = StopRequest()
+
+    def handler(signum, frame):
+        if stop.signum is not None or not stop.training:
+            raise KeyboardInterrupt
+        stop.signum = signum
+        sys.stderr.write("\nSIGINT: saving a checkpoint at the end of this step, then raising KeyboardInterrupt "
+                         "(press Ctrl-C again to interrupt at once)\n")
+        sys.stderr.flush()
+
+    callback = StopOnSignal(stop)
+    trainer.add_callback(callback)
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield stop
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        trainer.remove_callback(callback)
+    if stop.signum is not None:
+        message = _stopped_message(trainer, stop)
+        logger.warning(message)
+        raise KeyboardInterrupt(message)
+
+
+def _stopped_message(trainer, stop: StopRequest) -> str:
+    from .checkpoint import checkpoint_dir
+
+    args, state = trainer.args, trainer.state
+    step = stop.stopped_at if stop.stopped_at is not None else state.global_step
+    path = checkpoint_dir(args.output_dir, step)
+    if not os.path.isdir(path):
+        why = " (save_strategy is 'no')" if args.save_strategy == "no" else ""
+        return f"{stop.name}: stopped at step {step}/{state.max_steps}; nothing saved{why}"
+    return (f"{stop.name}: stopped at step {step}/{state.max_steps}; saved {path}; continue with "
+            f"trainer.train(resume_from_checkpoint={path!r})")
 
 
 @contextlib.contextmanager

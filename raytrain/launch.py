@@ -7,10 +7,13 @@ back into the same TrainOutput, TrainerState and weights an in-process train() w
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import logging
 import os
+import signal
+import threading
 import time
 
 from ray.train.torch import TorchConfig
@@ -67,22 +70,76 @@ def run_distributed(trainer, resume_from_checkpoint=None) -> TrainOutput:
     view = copy.copy(trainer)
     for key in blocks:
         setattr(view, key, None)
-    torch_trainer = TorchTrainer(
-        _ray_worker.train_loop_per_worker,
-        train_loop_config={"trainer": _ray_worker.pickle_trainer(view, worker_args), "datasets": blocks,
-                           "resume_from_checkpoint": resume_from_checkpoint,
-                           "run": f"{name}-{os.urandom(4).hex()}"},
-        scaling_config=ScalingConfig(num_workers=scaling.num_workers, use_gpu=scaling.use_gpu,
-                                     resources_per_worker=scaling.resources_per_worker,
-                                     placement_strategy=scaling.placement_strategy),
-        run_config=run_config,
-        torch_config=_RaytrainTorchConfig(),
-    )
-    try:
-        result = torch_trainer.fit()
-    except Exception as e:
-        raise _worker_error(e) from e
+    with _driver_progress(trainer) as feed:
+        torch_trainer = TorchTrainer(
+            _ray_worker.train_loop_per_worker,
+            train_loop_config={"trainer": _ray_worker.pickle_trainer(view, worker_args), "datasets": blocks,
+                               "resume_from_checkpoint": resume_from_checkpoint,
+                               "run": f"{name}-{os.urandom(4).hex()}", "progress": feed},
+            scaling_config=ScalingConfig(num_workers=scaling.num_workers, use_gpu=scaling.use_gpu,
+                                         resources_per_worker=scaling.resources_per_worker,
+                                         placement_strategy=scaling.placement_strategy),
+            run_config=run_config,
+            torch_config=_RaytrainTorchConfig(),
+        )
+        try:
+            with _sigint_restored():
+                result = torch_trainer.fit()
+        except Exception as e:
+            raise _worker_error(e) from e
     return _apply_result(trainer, result.return_value)
+
+
+@contextlib.contextmanager
+def _sigint_restored():
+    """fit() installs Ray's SIGINT handler (abort the run) and leaves it in place: a later Ctrl-C in the
+    same Python session would call a finished run's controller. Put the previous handler back."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+@contextlib.contextmanager
+def _driver_progress(trainer, poll_s: float = 0.2):
+    """The driver draws rank 0's progress with its own progress callbacks: rank 0 pushes events into a
+    ProgressFeed actor (callbacks/progress.py); a thread here drains it every `poll_s` and replays them.
+    Yields the actor's handle for the workers (None when the trainer shows no progress)."""
+    import ray
+
+    from .callbacks.progress import ProgressFeed, ProgressReplay, progress_callbacks
+
+    callbacks = progress_callbacks(trainer.callback_handler.callbacks)
+    if not callbacks:
+        yield None
+        return
+    feed = ray.remote(num_cpus=0)(ProgressFeed).remote()
+    replay = ProgressReplay(callbacks, trainer.args, trainer.model)
+    done = threading.Event()
+
+    def drain():
+        while not done.wait(poll_s):
+            try:
+                replay(ray.get(feed.drain.remote(), timeout=10))
+            except Exception as e:  # noqa: BLE001 - progress is a view: never fail the run over it
+                logger.debug("progress: %s", e)
+
+    thread = threading.Thread(target=drain, daemon=True, name="raytrain-progress")
+    thread.start()
+    try:
+        yield feed
+    finally:
+        done.set()
+        thread.join(timeout=15)
+        with contextlib.suppress(Exception):  # what rank 0 sent last (its flush waited for delivery)
+            replay(ray.get(feed.drain.remote(), timeout=10))
+        replay.close()
+        with contextlib.suppress(Exception):  # Ray may be gone already (a second Ctrl-C)
+            ray.kill(feed)
 
 
 def _apply_result(trainer, value: dict) -> TrainOutput:

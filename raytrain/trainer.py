@@ -98,9 +98,12 @@ class Trainer:
             self.optimizer = self.lr_scheduler = None
             self.__dict__.pop("_model_flops", None)
         self._start_memory_tracking("train")
-        if not self.args.auto_find_batch_size:
-            return loop.train(self, resume_from_checkpoint, trial)
-        return self._train_finding_batch_size(resume_from_checkpoint, trial)
+        from .interrupt import python_interrupts
+
+        with python_interrupts(self):  # Ctrl-C: save at the next step, then KeyboardInterrupt
+            if not self.args.auto_find_batch_size:
+                return loop.train(self, resume_from_checkpoint, trial)
+            return self._train_finding_batch_size(resume_from_checkpoint, trial)
 
     def evaluate(self, eval_dataset=None, ignore_keys: list[str] | None = None,
                  metric_key_prefix: str = "eval") -> dict[str, float]:

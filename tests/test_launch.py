@@ -189,24 +189,61 @@ def ray_head():
 @pytest.mark.timeout(400)
 def test_ray_job_submit_end_to_end(ray_head, tmp_path):
     """`ray job submit --working-dir . -- python -m raytrain.run ... scaling.num_workers=2` against a
-    `ray start --head` cluster: the job joins it (RAY_ADDRESS), trains on 2 workers, evaluates and saves."""
+    `RAY_AUTH_MODE=token ray start --head` cluster: a client without RAY_AUTH_MODE=token gets HTTP 401;
+    with it, the job joins the cluster (RAY_ADDRESS), trains on 2 workers, evaluates and saves, and its
+    log holds the driver's progress lines (rank 0's, once each) and no worker's."""
+    import re
     import subprocess
+    import time
+    import urllib.error
+    import urllib.request
 
     address, env = ray_head
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = tmp_path / "out"
+    # Without the token: HTTP 401 from the dashboard, and `ray job submit` (RAY_AUTH_MODE unset) refused.
+    with pytest.raises(urllib.error.HTTPError) as answer:
+        urllib.request.urlopen(f"{address}/api/jobs/", timeout=30)
+    assert answer.value.code == 401
+    no_token = {k: v for k, v in env.items() if k != "RAY_AUTH_MODE"}
+    refused = subprocess.run(["ray", "job", "submit", "--address", address, "--no-wait", "--", "true"], cwd=root,
+                             env=no_token, capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0, refused.stdout[-2000:]
+    assert "AuthenticationError: Authentication required: Unauthorized: Missing authentication token" \
+        in refused.stderr, refused.stderr[-2000:]
+    out, store = tmp_path / "out", f"sqlite:///{tmp_path / 'mlflow.db'}"
     cmd = ["ray", "job", "submit", "--address", address, "--working-dir", ".", "--",
-           "python", "-m", "raytrain.run", "--config", "examples/digits.yaml",
+           "env", f"MLFLOW_TRACKING_URI={store}", "python", "-m", "raytrain.run", "--config", "examples/digits.yaml",
            "--set", "scaling.num_workers=2", "--set", f"scaling.storage_path={tmp_path / 'ray'}",
-           "--set", f"output_dir={out}", "--set", "num_train_epochs=2", "--set", "disable_tqdm=true"]
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=360)
-    log = proc.stdout + proc.stderr
+           "--set", f"output_dir={out}", "--set", "num_train_epochs=2", "--set", "logging_steps=10",
+           "--set", "report_to=mlflow", "--no-report"]
+    for _ in range(12):  # the head's job agent can come up after its dashboard on a busy machine
+        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=360)
+        log = proc.stdout + proc.stderr
+        if "No available agent to submit job" not in log:
+            break
+        time.sleep(5)
     assert proc.returncode == 0 and "succeeded" in log, log[-3000:]
+    lines = log.splitlines()
+    progress = [ln for ln in lines if re.match(r"step \d+/46 loss=", ln)]
+    assert [ln.split()[1] for ln in progress] == ["10/46", "20/46", "30/46", "40/46"], progress
+    assert all(re.search(r" learning_rate=\S+ .* eta=", ln) for ln in progress), progress
+    assert len([ln for ln in lines if ln.startswith("training DigitsMLP")]) == 1
+    workers = [ln for ln in lines if "RayTrainWorker" in ln]
+    quiet = r"step \d+/|loss|Reporting training result|Checkpoint successfully"  # Ray's own lines included
+    assert not [ln for ln in workers if re.search(quiet, ln)], workers
     summary = json.loads(next(line for line in log.splitlines() if line.startswith("summary: "))[len("summary: "):])
     assert summary["global_step"] == 46  # 2 epochs of 1438 samples in global batches of 2 x 32
     assert summary["eval_accuracy"] > 0.8
     assert {"checkpoint-23", "checkpoint-46", "final"} <= set(os.listdir(out))
     assert os.path.exists(out / "final" / "model.safetensors")
+    # The MLflow run is tagged with the Ray job's submission id; rank 0 logged the metrics from its worker.
+    import mlflow
+
+    job = re.search(r"Job '(raysubmit_\w+)' submitted successfully", log).group(1)
+    client = mlflow.tracking.MlflowClient(store)
+    (run,) = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    assert run.data.tags["ray.job_id"] == job and run.data.tags["raytrain.world_size"] == "2"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [10, 20, 30, 40]
 
 
 def test_cluster_yaml_passes_rays_autoscaler_validation():

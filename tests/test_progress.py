@@ -4,6 +4,7 @@ bar) and the one-line-per-log output elsewhere."""
 from __future__ import annotations
 
 import io
+import re
 
 from raytrain import Trainer
 from raytrain.callbacks import ProgressCallback
@@ -41,3 +42,53 @@ def test_terminal_shows_a_bar_with_loss_and_learning_rate_and_an_eval_bar(tmp_pa
     assert "8/8" in out and "loss=" in out and "lr=" in out  # the bar's postfix
     assert "evaluating" in out                                 # the evaluation bar
     assert "\r" in out                                         # redrawn in place
+
+
+# ---------------------------------------------------------------- Ray runs: rank 0's events, drawn by the driver
+
+
+def _fed(tmp_path, driver_stream, interval: float):
+    """An in-process run whose progress goes through ProgressFeeder -> ProgressFeed -> ProgressReplay, as
+    rank 0's does to the driver in a Ray run (the actor and the driver's thread aside)."""
+    from raytrain.callbacks.progress import ProgressFeed, ProgressFeeder, ProgressReplay
+
+    args = args_for(tmp_path, max_steps=8, logging_steps=4, per_device_train_batch_size=4, eval_strategy="steps",
+                    eval_steps=8, save_strategy="no", disable_tqdm=False)
+    trainer = Trainer(TinyClassifier(), args, train_dataset=columns(32), eval_dataset=columns(12, seed=1))
+    trainer.pop_callback(ProgressCallback)  # the worker prints nothing itself
+    feed, sends = ProgressFeed(), []
+
+    def send(events):
+        sends.append(events)
+        feed.push(events)
+
+    trainer.add_callback(ProgressFeeder(send, send, interval=interval))
+    driver = ProgressReplay([ProgressCallback(driver_stream)], args, TinyClassifier())
+    trainer.train()
+    events = feed.drain()
+    driver(events)
+    return driver_stream.getvalue(), sends, events
+
+
+def test_the_driver_prints_rank_0s_lines_as_an_in_process_run_does(tmp_path):
+    direct = _train(tmp_path / "direct", io.StringIO()).replace(str(tmp_path / "direct"), "OUT")
+    replayed, sends, events = _fed(tmp_path / "fed", io.StringIO(), interval=3600)
+    replayed = replayed.replace(str(tmp_path / "fed"), "OUT")
+
+    def untimed(text):  # the timings differ between two runs
+        return [re.sub(r" train_runtime=\S+", "", ln.split(" eta=")[0]) for ln in text.splitlines()]
+
+    assert untimed(replayed) == untimed(direct) and len(untimed(direct)) == 5  # run line + 4 log lines
+    # Throttled: with a long interval, one send at the start and one (the flush) at the end; the steps
+    # in between are coalesced to the latest count.
+    assert len(sends) == 2 and [e[0] for e in sends[0]] == ["begin"]
+    kinds = [e[0] for e in events]
+    assert kinds == ["begin", "step", "log", "step", "log", "eval", "log", "eval_end", "log", "end"], kinds
+    assert [e[1]["global_step"] for e in events if e[0] == "step"] == [4, 8]
+
+
+def test_the_driver_draws_the_bars_from_rank_0s_events(tmp_path):
+    out, sends, _ = _fed(tmp_path, _Terminal(), interval=0.0)
+    assert len(sends) > 2                                      # sent as it went
+    assert "8/8" in out and "loss=" in out and "lr=" in out    # the bar, with the latest loss and lr
+    assert "evaluating" in out and "\r" in out

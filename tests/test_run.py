@@ -316,6 +316,14 @@ def test_debug_prints_the_traceback(tmp_path, capsys):
     assert code == 1 and "Traceback (most recent call last)" in err and "in loss_of" in err
 
 
+def test_a_crash_raytrain_cannot_explain_prints_its_traceback(tmp_path, capsys):
+    # torch refuses the model the factory builds: not an error raytrain can explain in one line.
+    code, _, err = run_main(capsys, *DIGITS, "--set", f"output_dir={tmp_path / 'o'}", "--set", "model.hidden_size=-1")
+    assert code == 1
+    assert "Traceback (most recent call last)" in err and "negative dimension -1" in err
+    assert not [ln for ln in err.splitlines() if ln.startswith("error: ")]
+
+
 def test_dataset_of_ints_exits_2_naming_the_factory(tmp_path, capsys):
     code, _, err = run_main(capsys, *DIGITS, "--set", f"output_dir={tmp_path}",
                             "--set", "data.factory=tests.cli_jobs:int_datasets")

@@ -46,7 +46,7 @@ def _signal_at_step(p: subprocess.Popen, step: int, *signums: int, gap: float = 
                 time.sleep(gap)
             break
         assert time.monotonic() < deadline, "".join(seen)
-    rest = p.communicate(timeout=240)[1]
+    p.stdout_text, rest = p.communicate(timeout=240)
     return "".join(seen) + rest
 
 
@@ -128,12 +128,87 @@ def test_ctrl_c_on_the_driver_of_a_ray_run_makes_the_workers_save(tmp_path):
     # so they save at the next step boundary (as for a spot preemption), then ends the run.
     out = tmp_path / "o"
     p = _popen(_job(out, 0.05, "--set", "scaling.num_workers=2"))
-    err = _signal_at_step(p, 5, signal.SIGINT)  # rank 0's progress lines reach the driver through Ray
+    err = _signal_at_step(p, 5, signal.SIGINT)  # rank 0's progress, drawn by the driver
     assert p.returncode == 130, err[-3000:]
     assert "sent SIGTERM to 2 Ray Train worker(s): each saves and stops" in err
-    assert len([ln for ln in err.splitlines() if " step 5/46 loss=" in ln]) == 1  # rank 0 only, once
+    # The driver prints rank 0's run line and progress lines, once each; no worker prints any.
+    lines = err.splitlines() + p.stdout_text.splitlines()
+    (intro,) = [ln for ln in lines if ln.startswith("training ")]
+    assert "| 46 steps (2 epochs) | 2 processes (ddp) |" in intro
+    (step5,) = [ln for ln in lines if "step 5/46 " in ln]
+    assert re.fullmatch(r"step 5/46 loss=\S+ grad_norm=\S+ learning_rate=\S+ epoch=\S+ eta=\S+", step5), step5
+    workers = [ln for ln in lines if "RayTrainWorker" in ln]
+    quiet = r"step \d+/|loss|Reporting training result|Checkpoint successfully"  # Ray's own lines included
+    assert not [ln for ln in workers if re.search(quiet, ln)], workers
     (line,) = [ln for ln in err.splitlines() if ln.startswith("SIGINT: the workers stopped")]
     m = re.fullmatch(r"SIGINT: the workers stopped; saved (\S+/checkpoint-(\d+)); continue with: python -m "
                      r"raytrain\.run .*", line)
     assert m and m.group(1).startswith(str(out)), line
     assert 5 <= int(m.group(2)) < 46 and verify_checkpoint(m.group(1))["global_step"] == int(m.group(2))
+
+
+# ---------------------------------------------------------------- Trainer.train() called from Python
+
+_PYTHON_API = r"""
+import signal, sys
+from examples.digits import build_datasets
+from raytrain import Trainer, TrainingArguments
+from tests.cli_jobs import slow_model
+
+out = sys.argv[1]
+model = slow_model(0.05)
+args = TrainingArguments(output_dir=out, max_steps=90, logging_steps=5, per_device_train_batch_size=32,
+                         save_strategy="steps", save_steps=1000, report_to="none", seed=42)
+trainer = Trainer(model, args, train_dataset=build_datasets()[0])
+try:
+    trainer.train()
+except KeyboardInterrupt as e:
+    sys.stderr.write(f"@@ caught: {e}\n")
+sys.stderr.write(f"@@ default handler back: {signal.getsignal(signal.SIGINT) is signal.default_int_handler}\n")
+model.delay = 0.5
+sys.stderr.write("@@ resuming\n")
+sys.stderr.flush()
+try:
+    trainer.train(resume_from_checkpoint=sys.argv[2] if len(sys.argv) > 2 else True)
+except KeyboardInterrupt as e:
+    sys.stderr.write(f"@@ caught again: {e!r}\n")
+sys.stderr.write(f"@@ default handler back: {signal.getsignal(signal.SIGINT) is signal.default_int_handler}\n")
+"""
+
+
+def test_python_api_ctrl_c_saves_then_raises_keyboard_interrupt(tmp_path):
+    """From Python, the first Ctrl-C saves at the next step and raises KeyboardInterrupt naming the
+    checkpoint and resume_from_checkpoint=...; the run then resumes from it; a second Ctrl-C raises at
+    once without saving; Python's default handler is back after each train()."""
+    out = tmp_path / "o"
+    env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+    p = subprocess.Popen([sys.executable, "-c", _PYTHON_API, str(out)], cwd=ROOT, env=env, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    seen, phase, deadline = [], 0, time.monotonic() + 240
+    for line in p.stderr:
+        seen.append(line)
+        if phase == 0 and line.startswith("step 5/90 "):
+            p.send_signal(signal.SIGINT)
+            phase = 1
+        elif phase == 1 and line.startswith("@@ resuming"):
+            phase = 2
+        elif phase == 2 and re.match(r"step \d+/90 loss=", line):
+            p.send_signal(signal.SIGINT)
+            time.sleep(0.05)
+            p.send_signal(signal.SIGINT)
+            phase = 3
+        assert time.monotonic() < deadline, "".join(seen)
+    p.wait(timeout=60)
+    err = "".join(seen)
+    assert p.returncode == 0 and phase == 3, err[-3000:]
+    (caught,) = [ln for ln in seen if ln.startswith("@@ caught: ")]
+    m = re.fullmatch(r"@@ caught: SIGINT: stopped at step (\d+)/90; saved (\S+); continue with "
+                     r"trainer\.train\(resume_from_checkpoint='(\S+)'\)\n", caught)
+    assert m, caught
+    step = int(m.group(1))
+    assert 5 <= step < 15 and m.group(2) == m.group(3) == str(out / f"checkpoint-{step}")
+    assert verify_checkpoint(m.group(2))["global_step"] == step
+    assert f"resuming at step {step}" in err
+    assert [ln for ln in seen if ln.startswith("@@ caught again: ")] == ["@@ caught again: KeyboardInterrupt()\n"]
+    assert [ln for ln in seen if ln.startswith("@@ default handler back: ")] == ["@@ default handler back: True\n"] * 2
+    assert sorted(os.listdir(out)) == [f"checkpoint-{step}"]  # the second interrupt saved nothing

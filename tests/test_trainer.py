@@ -272,3 +272,15 @@ def test_last_epoch_can_be_the_best_checkpoint(tmp_path):
     assert trainer.state.best_model_checkpoint == os.path.join(args.output_dir, "checkpoint-6")
     saved = TrainerState.load_from_json(os.path.join(args.output_dir, "checkpoint-6", "trainer_state.json"))
     assert saved.best_model_checkpoint == trainer.state.best_model_checkpoint
+
+
+def test_model_init_runs_after_seeding(tmp_path):
+    """Trainer(model_init=...) seeds before building the model: the initial weights follow `seed` alone,
+    whatever the global RNG did before."""
+    torch.manual_seed(123)
+    a = Trainer(model_init=TinyClassifier, args=args_for(tmp_path, seed=7))
+    torch.rand(1000)
+    b = Trainer(model_init=TinyClassifier, args=args_for(tmp_path, seed=7))
+    c = Trainer(model_init=TinyClassifier, args=args_for(tmp_path, seed=8))
+    assert torch.equal(a.model.linear.weight, b.model.linear.weight)
+    assert not torch.equal(a.model.linear.weight, c.model.linear.weight)
