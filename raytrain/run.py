@@ -166,6 +166,7 @@ class _Session:
     def __init__(self, ns):
         self.ns = ns
         self.log_path: str | None = None
+        self.output_dir: str | None = None  # known once the configuration is valid
         self.handler: logging.Handler | None = None
         self.phase = "before training started (while building the model and the data)"
 
@@ -186,6 +187,11 @@ class _Session:
     def fail(self, error: BaseException) -> int:
         from .interrupt import Interrupted
 
+        if self.log_path is None and self.output_dir is not None:
+            try:  # an error before training started: its traceback goes to the run's log all the same
+                self.open_log(self.output_dir)
+            except OSError:
+                pass
         if self.log_path:  # the traceback goes to the file only
             import traceback
 
@@ -271,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(ns, session: _Session) -> int:
     args = TrainingArguments.from_yaml(ns.config, ns.overrides)
+    session.output_dir = args.output_dir
     resume = _resume_arg(ns.resume, args)
     _status(f"importing torch and {args.model.factory if args.model else 'the model'} ...")
     from .interrupt import graceful_stop

@@ -77,6 +77,11 @@ def assert_config_error(proc: subprocess.CompletedProcess, message: str) -> None
     assert "summary:" not in proc.stdout
 
 
+def logged(message: str, output_dir) -> str:
+    """An error found once the configuration is valid: its traceback is in OUTPUT_DIR/raytrain.log."""
+    return f"{message} (traceback in {os.path.join(str(output_dir), 'raytrain.log')}; --debug prints it)"
+
+
 def run_main(capsys, *argv: str) -> tuple[int, str, str]:
     """raytrain.run.main in this process: (exit code, stdout, stderr)."""
     try:
@@ -105,9 +110,9 @@ def test_missing_config_file_exits_2(launched):
 
 def test_bad_factory_import_string_exits_2(launched):
     base, procs = launched
-    assert_config_error(_wait(procs["bad_factory"]),
-                        "error: model.factory: module 'examples.digits' has no attribute 'no_such_function'")
-    assert not os.path.exists(base / "factory")
+    assert_config_error(_wait(procs["bad_factory"]), logged(
+        "error: model.factory: module 'examples.digits' has no attribute 'no_such_function'", base / "factory"))
+    assert "Traceback (most recent call last)" in open(base / "factory" / "raytrain.log").read()
 
 
 def test_help_lists_every_field_and_exits_0(launched):
@@ -142,16 +147,21 @@ def test_missing_config_argument_exits_2(capsys):
     assert code == 2 and err == "error: the following arguments are required: --config\n"
 
 
-@pytest.mark.parametrize("factory, message", [
+@pytest.mark.parametrize("factory, message, found", [
     ("examples.no_such_module:build_model",
-     "model.factory: cannot import module 'examples.no_such_module' (No module named 'examples.no_such_module')"),
+     "model.factory: cannot import module 'examples.no_such_module' (No module named 'examples.no_such_module')",
+     "importing"),
     ("not an import string",
-     "model.factory: expected an import string 'package.module:function', got 'not an import string'"),
+     "model.factory: expected an import string 'package.module:function', got 'not an import string'",
+     "validating"),
 ])
-def test_bad_factory_variants_exit_2(tmp_path, capsys, factory, message):
+def test_bad_factory_variants_exit_2(tmp_path, capsys, factory, message, found):
     code, out, err = run_main(capsys, *DIGITS, "--set", f"output_dir={tmp_path / 'o'}",
                               "--set", f"model.factory={factory}")
-    assert (code, out, err) == (2, "", f"error: {message}\n")
+    # found while validating the configuration: nothing is written; once it is valid, the log has the traceback
+    expected = logged(f"error: {message}", tmp_path / "o") if found == "importing" else f"error: {message}"
+    assert (code, out, err) == (2, "", expected + "\n")
+    assert os.path.exists(tmp_path / "o" / "raytrain.log") == (found == "importing")
 
 
 def test_bad_model_kwargs_exit_2(tmp_path, capsys):
@@ -164,7 +174,8 @@ def test_bad_model_kwargs_exit_2(tmp_path, capsys):
 def test_resume_from_a_path_that_is_not_a_checkpoint_exits_2(tmp_path, capsys):
     missing = str(tmp_path / "checkpoint-9")
     code, _, err = run_main(capsys, *DIGITS, "--set", f"output_dir={tmp_path}", "--resume", missing)
-    assert (code, err) == (2, f"error: --resume: {missing!r} is not a checkpoint directory (or use auto / never)\n")
+    assert (code, err) == (2, logged(f"error: --resume: {missing!r} is not a checkpoint directory (or use auto / never)",
+                                     tmp_path) + "\n")
 
 
 # ---------------------------------------------------------------- the digits example end to end
@@ -235,8 +246,9 @@ def test_resume_never_on_a_dir_with_checkpoints_exits_2(digits_run, reruns):
     proc = reruns[2]
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error: ")]
-    assert lines == [f"error: output_dir {out} already holds checkpoint-{STEPS}; use --resume auto to continue it, "
-                     "or --set overwrite_output_dir=true to start over (its checkpoints are then deleted)"]
+    assert lines == [logged(f"error: output_dir {out} already holds checkpoint-{STEPS}; use --resume auto to continue "
+                            "it, or --set overwrite_output_dir=true to start over (its checkpoints are then deleted)",
+                            out)]
     assert "summary:" not in proc.stdout
 
 
@@ -328,18 +340,20 @@ def test_dataset_of_ints_exits_2_naming_the_factory(tmp_path, capsys):
     code, _, err = run_main(capsys, *DIGITS, "--set", f"output_dir={tmp_path}",
                             "--set", "data.factory=tests.cli_jobs:int_datasets")
     assert code == 2
-    assert _one_error(err) == (
+    assert _one_error(err) == logged(
         "error: data.factory: tests.cli_jobs:int_datasets returned a train dataset whose items are int; each item "
-        "must be a dict of tensors, one per model input and 'labels' (e.g. {'pixels': ..., 'labels': ...})")
+        "must be a dict of tensors, one per model input and 'labels' (e.g. {'pixels': ..., 'labels': ...})", tmp_path)
+    assert "Traceback (most recent call last)" in open(tmp_path / "raytrain.log").read()
 
 
 def test_resume_from_an_output_dir_names_its_checkpoint(digits_run, capsys):
     out, _ = digits_run
     code, _, err = run_main(capsys, *DIGITS, "--set", f"output_dir={out}-other", "--resume", out)
     assert code == 2
-    assert _one_error(err) == (
+    assert _one_error(err) == logged(
         f"error: --resume: {out!r} is an output directory, not a checkpoint; pass one of its checkpoints "
-        f"(--resume {out}/checkpoint-{STEPS}) or --resume auto with --set output_dir={out}")
+        f"(--resume {out}/checkpoint-{STEPS}) or --resume auto with --set output_dir={out}", f"{out}-other")
+    assert "Traceback (most recent call last)" in open(f"{out}-other/raytrain.log").read()
 
 
 def test_truncated_checkpoint_is_one_line_naming_the_file(digits_run, tmp_path, capsys):
