@@ -16,7 +16,7 @@ from raytrain import Trainer, TrainingArguments
 pytestmark = pytest.mark.ray
 
 
-def _trainer(tmp_path, digits, model_init=None, **kw):
+def _trainer(tmp_path, digits, model_init=None, callbacks=None, **kw):
     from examples.digits import build_model, compute_metrics
 
     train, val = digits
@@ -25,7 +25,7 @@ def _trainer(tmp_path, digits, model_init=None, **kw):
                 save_total_limit=1, disable_tqdm=True)
     args = TrainingArguments(**{**base, **kw})
     return Trainer(args=args, model_init=model_init or (lambda **k: build_model(**k)), train_dataset=train,
-                   eval_dataset=val, compute_metrics=compute_metrics)
+                   eval_dataset=val, compute_metrics=compute_metrics, callbacks=callbacks)
 
 
 def _ours_in_tmp() -> set[str]:
@@ -139,6 +139,40 @@ def test_failures_multi_objective_and_mlflow_parent_child(ray_cluster, tmp_path,
     assert "model_init exploded" in children[failed["trial_id"].iloc[0]].data.tags["raytrain.error"]
 
 
+@pytest.mark.parametrize("scheduler,sampler", [("hyperband", "cmaes"), ("median", "qmc")])
+def test_hyperband_median_cmaes_and_qmc_run_real_sweeps(ray_cluster, tmp_path, digits, scheduler, sampler):
+    """Each scheduler and sampler not covered above runs a real (tiny) sweep to its n_trials; the sweep's
+    Tune state names the scheduler, and the study holds what only that sampler writes."""
+    import optuna
+    from ray import cloudpickle
+    from ray.tune import schedulers as s
+
+    if sampler == "cmaes":
+        pytest.importorskip("cmaes")
+    best = _trainer(tmp_path, digits, max_steps=10).hyperparameter_search(
+        {"learning_rate": {"loguniform": [1e-4, 3e-2]}, "weight_decay": {"uniform": [0.0, 0.1]}}, n_trials=4,
+        direction="maximize", metric="accuracy", scheduler=scheduler, sampler=sampler, seed=0,
+        max_concurrent_trials=2, name=scheduler, plots=False)
+    sweep = tmp_path / "out" / "sweeps" / scheduler
+    table = best.run_summary
+    assert len(table) == 4 and set(table["status"]) <= {"finished", "stopped early"}
+    assert (table["status"] == "finished").any() and table["objective"].notna().all()
+    tuned = cloudpickle.loads((sweep / "tuner.pkl").read_bytes())["_tune_config"].scheduler
+    if scheduler == "hyperband":  # async HyperBand: ASHA's class with several brackets
+        assert isinstance(tuned, s.AsyncHyperBandScheduler) and len(tuned._brackets) == 3
+    else:
+        assert isinstance(tuned, s.MedianStoppingRule)
+    storage = optuna.storages.RDBStorage(f"sqlite:///{sweep / 'optuna.db'}")
+    study = optuna.load_study(study_name=scheduler, storage=storage)
+    assert len(study.trials) == 4
+    if sampler == "cmaes":  # CMA-ES keeps its optimizer in the trials it sampled (all but the first)
+        assert sum(any(k.startswith("cma:") for k in t.system_attrs) for t in study.trials) >= 3
+    else:  # QMC counts its points in the study: the first trial samples at random (it learns the space
+        # from it), the other 3 take points 0..2
+        attrs = storage.get_study_system_attrs(storage.get_study_id_from_name(scheduler))
+        assert [v for k, v in attrs.items() if k.startswith("qmc:")] == [2]
+
+
 def test_pbt_clones_a_checkpoint_with_the_mutated_learning_rate(ray_cluster, tmp_path, digits):
     trainer = _trainer(tmp_path, digits, lr_scheduler_type="constant", save_total_limit=None)
     best = trainer.hyperparameter_search(
@@ -169,14 +203,30 @@ def test_pbt_clones_a_checkpoint_with_the_mutated_learning_rate(ray_cluster, tmp
     assert before and all(v != pytest.approx(float(lr)) for v in before)  # the source trial's own rate
 
 
-def test_a_two_worker_trial_inside_a_sweep_reports(ray_cluster, tmp_path, digits):
-    trainer = _trainer(tmp_path, digits, max_steps=10, **{"scaling": {"num_workers": 2}})
-    best = trainer.hyperparameter_search({"learning_rate": {"loguniform": [1e-3, 1e-2]}}, n_trials=2,
-                                         direction="maximize", metric="accuracy", scheduler="none", seed=0,
-                                         max_concurrent_trials=1, name="ddp")
-    table = best.run_summary
+def test_a_worker_killed_in_a_two_worker_trial_restarts_from_the_trials_checkpoint(ray_cluster, tmp_path, digits):
+    """Two 2-worker trials with the same parameters, one at a time; rank 1 of the first is SIGKILLed after
+    step 7. Its FailureConfig (scaling.max_failures) restarts the group from checkpoint-5 and the trial ends
+    with the same weights, bit for bit, as the trial nobody killed (DDP on gloo is deterministic)."""
+    from examples.digits import build_model
+    from raytrain.checkpoint import load_weights
+    from tests._sweep_driver import KillWorkerOnce
+
+    trainer = _trainer(tmp_path, digits, model_init=lambda **k: build_model(dropout=0.0, **k), max_steps=10,
+                       callbacks=[KillWorkerOnce(str(tmp_path / "killed"), rank=1, step=7)],
+                       scaling={"num_workers": 2, "max_failures": 1})
+    best = trainer.hyperparameter_search({"learning_rate": {"choice": [3e-3]}}, n_trials=2, direction="maximize",
+                                         metric="accuracy", scheduler="none", seed=0, max_concurrent_trials=1,
+                                         name="ddp")
+    table = best.run_summary.sort_values("wall_time_s")
+    assert (tmp_path / "killed").exists()
     assert (table["status"] == "finished").all() and (table["steps"] == 10).all()
-    assert (table["objective"] > 0.1).all()
+    assert table["objective"].nunique() == 1 and (table["objective"] > 0.1).all()
+    sweep = tmp_path / "out" / "sweeps" / "ddp"
+    starts = {t: (sweep / f"trial_{t}" / "starts.txt").read_text().split() for t in table["trial_id"]}
+    assert sorted(starts.values()) == [["0"], ["0", "5"]]  # the killed trial restarted from checkpoint-5
+    killed, clean = sorted(table["trial_id"], key=lambda t: len(starts[t]), reverse=True)
+    a, b = (load_weights(str(sweep / f"trial_{t}" / "checkpoint-10")) for t in (killed, clean))
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
     assert best.checkpoint and os.path.isdir(best.checkpoint)
 
 
