@@ -12,9 +12,9 @@ its reduction factor 3. Two trials run at once. Reported: the total training ste
 trials in the order their evaluations arrived, until any trial first reaches the target; the
 ratio TPE+ASHA / random (median over seeds).
 
-Overhead. Sweeps of N and 2N tiny trials (4 steps), one at a time: the marginal wall time of a
-trial ((wall(2N) - wall(N)) / N), the part of it outside the trial's own function (Tune's
-time_total_s), and the fixed cost of a sweep (Ray Tune start, the trial process's imports).
+Overhead. A sweep of N tiny trials (4 steps), one at a time: what a trial costs outside its own
+function (from the previous trial's last result to its first, less its own time until then), and
+the time to the sweep's first result (Ray Tune's start, the trial process's imports).
 """
 
 from __future__ import annotations
@@ -49,13 +49,14 @@ def _sweep(root: str, name: str, seed: int, sampler: str, scheduler: str, trials
                              lr_scheduler_type="constant", seed=seed)
     trainer = Trainer(args=args, model_init=lambda **k: build_model(**k), train_dataset=train, eval_dataset=val,
                       compute_metrics=compute_metrics)
+    began = time.time()
     start = time.perf_counter()
     best = trainer.hyperparameter_search(space, n_trials=trials, direction="maximize", metric="accuracy",
                                          scheduler=scheduler, scheduler_kwargs=scheduler_kwargs, sampler=sampler,
                                          seed=seed,
                                          max_concurrent_trials=concurrency, name=name, plots=False)
     wall = time.perf_counter() - start
-    return best, wall, os.path.join(root, "sweeps", name)
+    return best, wall, os.path.join(root, "sweeps", name), began
 
 
 def _reports(sweep_dir: str) -> list[dict]:
@@ -80,18 +81,34 @@ def steps_to_target(sweep_dir: str, target: float) -> float:
     return float("inf")
 
 
-def overhead(root: str, n: int, concurrency: int = 1) -> dict:
-    """Sweeps of n and 2n tiny trials (4 steps, evaluated and saved every 2), `concurrency` at once."""
+def overhead(root: str, n: int) -> dict:
+    """One sweep of n tiny trials (4 steps, evaluated and saved every 2), one at a time. A trial's cost
+    outside its own function: the time from the previous trial's last result to this trial's first,
+    less this trial's own time until that result (Tune's time_total_s); the median over the trials
+    after the first (which also pays for the trial process's imports)."""
     space = {"learning_rate": {"loguniform": [1.0e-3, 1.0e-2]}}
-    runs = {}
-    for k in (n, 2 * n):
-        best, wall, _ = _sweep(root, f"overhead-{k}", 0, "random", "none", k, concurrency, 4, 2, space)
-        # The median trial: the first trial of a process also pays for its imports (the fixed cost).
-        runs[k] = (wall, float(best.run_summary["wall_time_s"].median()))
-    marginal = (runs[2 * n][0] - runs[n][0]) * concurrency / n
-    own = runs[2 * n][1]
-    return {"marginal": marginal, "own": own, "outside": marginal - own,
-            "fixed": runs[n][0] - n * marginal / concurrency, "walls": runs}
+    _, wall, sweep_dir, start = _sweep(root, "overhead", 0, "random", "none", n, 1, 4, 2, space)
+    by_trial: dict[str, list[dict]] = {}
+    for r in _reports(sweep_dir):
+        by_trial.setdefault(r["trial"], []).append(r)
+    trials = sorted(by_trial.values(), key=lambda rs: rs[0]["reported_at"])
+    outside = [b[0]["reported_at"] - a[-1]["reported_at"] - b[0]["time_total_s"] for a, b in zip(trials, trials[1:])]
+    return {"wall": wall, "outside": statistics.median(outside), "own": statistics.median(rs[-1]["time_total_s"]
+                                                                                       for rs in trials[1:]),
+            "first": trials[0][0]["reported_at"] - start, "n": n}
+
+
+def _summary(results: dict, ns) -> None:
+    med = {k: statistics.median(r["steps"] for r in v) for k, v in results.items()}
+    ratio = med["tpe+asha"] / med["random"] if med["random"] not in (0, float("inf")) else float("nan")
+    ratios = [a["steps"] / b["steps"] for a, b in zip(results["tpe+asha"], results["random"])]
+    print(f"\nsteps until a trial first reaches val accuracy {ns.target} (median of {ns.seeds} seeds): "
+          f"random {med['random']:.0f}, TPE+ASHA {med['tpe+asha']:.0f}, ratio {ratio:.2f}x (target <= 0.5x); "
+          f"per seed {' / '.join(f'{r:.2f}x' for r in ratios)}")
+    total = {k: sum(r["total_steps"] for r in v) for k, v in results.items()}
+    wall = {k: sum(r["wall"] for r in v) for k, v in results.items()}
+    print(f"total training steps: random {total['random']}, TPE+ASHA {total['tpe+asha']} "
+          f"({total['tpe+asha'] / total['random']:.2f}x); wall {wall['random']:.1f}s vs {wall['tpe+asha']:.1f}s")
 
 
 def main() -> None:
@@ -103,7 +120,7 @@ def main() -> None:
     p.add_argument("--eval-steps", type=int, default=10)
     p.add_argument("--reduction-factor", type=int, default=3)
     p.add_argument("--target", type=float, default=0.98)
-    p.add_argument("--overhead-trials", type=int, default=6, help="N of the overhead sweeps (0: skip them)")
+    p.add_argument("--overhead-trials", type=int, default=10, help="trials of the overhead sweep (0: skip it)")
     ns = p.parse_args()
 
     import ray
@@ -119,7 +136,7 @@ def main() -> None:
     results = {"random": [], "tpe+asha": []}
     for seed in range(ns.seeds):
         for label, sampler, scheduler, kw in (("random", "random", "none", None), ("tpe+asha", "tpe", "asha", asha)):
-            best, wall, sweep_dir = _sweep(out, f"{label.replace('+', '-')}-{seed}", seed, sampler, scheduler,
+            best, wall, sweep_dir, _ = _sweep(out, f"{label.replace('+', '-')}-{seed}", seed, sampler, scheduler,
                                            ns.trials, ns.concurrency, ns.max_steps, ns.eval_steps,
                                            scheduler_kwargs=kw)
             steps = steps_to_target(sweep_dir, ns.target)
@@ -131,25 +148,15 @@ def main() -> None:
                   f"  trials reaching it {reached:2d}/{len(table)}  best {best.objective:.4f}  wall {wall:6.1f}s",
                   flush=True)
     print(f"load average after the search sweeps: {os.getloadavg()[0]:.2f}")
-
-    med = {k: statistics.median(r["steps"] for r in v) for k, v in results.items()}
-    ratio = med["tpe+asha"] / med["random"] if med["random"] not in (0, float("inf")) else float("nan")
-    ratios = [a["steps"] / b["steps"] for a, b in zip(results["tpe+asha"], results["random"])]
-    print(f"\nsteps until a trial first reaches val accuracy {ns.target} (median of {ns.seeds} seeds): "
-          f"random {med['random']:.0f}, TPE+ASHA {med['tpe+asha']:.0f}, ratio {ratio:.2f}x (target <= 0.5x); "
-          f"per seed {' / '.join(f'{r:.2f}x' for r in ratios)}")
-    total = {k: sum(r["total_steps"] for r in v) for k, v in results.items()}
-    wall = {k: sum(r["wall"] for r in v) for k, v in results.items()}
-    print(f"total training steps: random {total['random']}, TPE+ASHA {total['tpe+asha']} "
-          f"({total['tpe+asha'] / total['random']:.2f}x); wall {wall['random']:.1f}s vs {wall['tpe+asha']:.1f}s")
+    if ns.seeds:
+        _summary(results, ns)
 
     if ns.overhead_trials:
         o = overhead(out, ns.overhead_trials)
-        (n, (w1, _)), (n2, (w2, _)) = sorted(o["walls"].items())
-        print(f"\noverhead, tiny trials one at a time: {n} trials {w1:.1f}s, {n2} trials {w2:.1f}s; a trial adds "
-              f"{o['marginal']:.2f}s, of which {o['own']:.2f}s in its own function (4 steps, 2 evaluations, 2 saves) "
-              f"and {o['outside']:.2f}s outside it; fixed cost of a sweep {o['fixed']:.1f}s "
-              f"(Tune start, the trial process's imports); load average {os.getloadavg()[0]:.2f}")
+        print(f"\noverhead, {o['n']} tiny trials one at a time ({o['wall']:.1f}s): a trial's own function "
+              f"{o['own']:.2f}s (4 steps, 2 evaluations, 2 saves), outside it {o['outside']:.2f}s (median); "
+              f"first result {o['first']:.1f}s after the sweep started (Tune, the trial process's imports); "
+              f"load average {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":
