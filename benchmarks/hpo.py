@@ -105,6 +105,10 @@ def _summary(results: dict, ns) -> None:
     print(f"\nsteps until a trial first reaches val accuracy {ns.target} (median of {ns.seeds} seeds): "
           f"random {med['random']:.0f}, TPE+ASHA {med['tpe+asha']:.0f}, ratio {ratio:.2f}x (target <= 0.5x); "
           f"per seed {' / '.join(f'{r:.2f}x' for r in ratios)}")
+    for other in (ns.target - 0.01, ns.target - 0.005, ns.target + 0.005, ns.target + 0.01):  # the same sweeps
+        med = {k: statistics.median(steps_to_target(r["dir"], other) for r in v) for k, v in results.items()}
+        print(f"  at {other:.3f}: random {med['random']:.0f}, TPE+ASHA {med['tpe+asha']:.0f}, "
+              f"ratio {med['tpe+asha'] / med['random']:.2f}x")
     total = {k: sum(r["total_steps"] for r in v) for k, v in results.items()}
     wall = {k: sum(r["wall"] for r in v) for k, v in results.items()}
     print(f"total training steps: random {total['random']}, TPE+ASHA {total['tpe+asha']} "
@@ -143,7 +147,8 @@ def main() -> None:
             table = best.run_summary
             reached = int(sum(any(r["eval_accuracy"] >= ns.target for r in _reports(sweep_dir) if r["trial"] == d)
                               for d in {r["trial"] for r in _reports(sweep_dir)}))
-            results[label].append({"steps": steps, "total_steps": int(table["steps"].sum()), "wall": wall})
+            results[label].append({"steps": steps, "total_steps": int(table["steps"].sum()), "wall": wall,
+                                   "dir": sweep_dir})
             print(f"seed {seed} {label:9s} steps-to-{ns.target}: {steps:>6.0f}  total steps {table['steps'].sum():>5d}"
                   f"  trials reaching it {reached:2d}/{len(table)}  best {best.objective:.4f}  wall {wall:6.1f}s",
                   flush=True)
