@@ -11,7 +11,9 @@ A sweep lives in one directory, `<output_dir>/sweeps/<name>/` (or `<storage_path
 A search space is a YAML-style spec (raytrain.search_space) or Ray Tune sample objects; the YAML
 file for the CLI (search_spaces/*.yaml) adds metric, mode, num_samples, scheduler, sampler, seed.
 Restore glue (what Ray + Optuna did not do alone): `_Search` hands out Optuna trials asked before the
-driver died but after Tune's last state save, so the study ends with exactly n_trials trials.
+driver died but after Tune's last state save, so the study ends with exactly n_trials trials; the
+sampler is rebuilt per trial with a seed from (seed, trial number) (sweep_sampler.py), because the
+sampler restored from Tune's pickle would restart its random stream from the last save.
 """
 
 from __future__ import annotations
