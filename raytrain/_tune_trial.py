@@ -14,6 +14,7 @@ import copy
 import json
 import logging
 import os
+import time
 import traceback
 from typing import Any, Callable
 
@@ -73,8 +74,10 @@ class _Reporter(TrainerCallback):
         self.max_steps = state.max_steps
 
     def result(self, metrics: dict, step: int, checkpoint_dir: str | None) -> dict:
+        # reported_at: Tune's own timestamp has whole seconds; results of concurrent trials are ordered by this.
         return {**_plain(metrics), **objectives(self.compute_objective, metrics, self.n), "step": step,
-                "max_steps": self.max_steps, CKPT_KEY: os.path.abspath(checkpoint_dir) if checkpoint_dir else ""}
+                "max_steps": self.max_steps, CKPT_KEY: os.path.abspath(checkpoint_dir) if checkpoint_dir else "",
+                "reported_at": time.time()}
 
     def report(self, metrics: dict, step: int, checkpoint_dir: str | None = None) -> None:
         from ray import tune

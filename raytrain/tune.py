@@ -11,11 +11,14 @@ A sweep lives in one directory, `<output_dir>/sweeps/<name>/` (or `<storage_path
 A search space is a YAML-style spec (raytrain.search_space) or Ray Tune sample objects; the YAML
 file for the CLI (search_spaces/*.yaml) adds metric, mode, num_samples, scheduler, sampler, seed.
 Restore glue (what Ray + Optuna did not do alone): `_Search` hands out Optuna trials asked before the
-driver died but after Tune's last state save, so the study ends with exactly n_trials trials.
+driver died but after Tune's last state save, so the study ends with exactly n_trials trials; the
+sampler is rebuilt per trial with a seed from (seed, trial number) (sweep_sampler.py), because the
+sampler restored from Tune's pickle would restart its random stream from the last save.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 from typing import Any, Callable, NamedTuple
@@ -30,7 +33,7 @@ __all__ = ["BestRun", "hyperparameter_search", "load_search_spec", "space_from_s
 
 _DRIVER_CPU = 0.01  # a distributed trial's function only waits on its TorchTrainer
 SCHEDULERS = ("asha", "hyperband", "median", "pbt", "none")
-SAMPLERS = ("tpe", "random", "cmaes", "qmc")
+SAMPLERS = ("tpe", "random", "cmaes", "qmc")  # sweep_sampler.py builds them
 
 
 class BestRun(NamedTuple):
@@ -82,19 +85,6 @@ def _search_class():
     return _Search
 
 
-def _sampler(name: str, seed: int | None, n_trials: int):
-    import optuna
-
-    # TPE samples at random for its first n_startup_trials (Optuna: 10): in a sweep of 8 it never
-    # would model anything. A third of the sweep, 2 to 10 trials, explores first.
-    startup = min(10, max(2, n_trials // 3))
-    samplers = {"tpe": lambda: optuna.samplers.TPESampler(seed=seed, n_startup_trials=startup),
-                "random": lambda: optuna.samplers.RandomSampler(seed=seed),
-                "cmaes": lambda: optuna.samplers.CmaEsSampler(seed=seed),
-                "qmc": lambda: optuna.samplers.QMCSampler(seed=seed)}
-    return samplers[name]()
-
-
 def _scheduler(name: str | None, mutations: dict | None, kwargs: dict):
     from ray.tune import schedulers as s
 
@@ -117,6 +107,9 @@ def _scheduler(name: str | None, mutations: dict | None, kwargs: dict):
 def _check(trainer, space, directions: list[str], scheduler: str | None, sampler: str) -> None:
     if sampler not in SAMPLERS:
         raise ConfigError(f"sampler: must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
+    if sampler == "cmaes" and importlib.util.find_spec("cmaes") is None:
+        raise ConfigError("sampler: 'cmaes' needs the cmaes package (Optuna's CmaEsSampler uses it): "
+                          "pip install cmaes, or choose tpe, random or qmc")
     if trainer.model_init is None:
         raise ValueError("hyperparameter_search needs a Trainer built with model_init (one model per trial)")
     bad = [d for d in directions if d not in ("minimize", "maximize")]
@@ -266,6 +259,8 @@ def _new_tuner(trainable, space, modes, keys, n_trials, scheduler, scheduler_kwa
     import optuna
     from ray import tune
 
+    from .sweep_sampler import make_sampler
+
     single = len(modes) == 1
     if scheduler == "pbt":
         mutations = space.to_tune() if isinstance(space, SearchSpace) else space
@@ -275,7 +270,7 @@ def _new_tuner(trainable, space, modes, keys, n_trials, scheduler, scheduler_kwa
         storage = optuna.storages.RDBStorage(f"sqlite:///{os.path.join(sweep_dir, 'optuna.db')}")
         search_alg = _search_class()(space=space if isinstance(space, SearchSpace) else None,
                                      metric=keys[0] if single else keys, mode=modes[0] if single else modes,
-                                     sampler=_sampler(sampler, seed, n_trials), study_name=name, storage=storage)
+                                     sampler=make_sampler(sampler, seed, n_trials), study_name=name, storage=storage)
     return tune.Tuner(
         trainable, param_space=param_space,
         tune_config=tune.TuneConfig(

@@ -1,8 +1,10 @@
-"""A sweep driver for test_tune_restore.py: run as a subprocess so that the test can SIGKILL it."""
+"""A sweep driver for test_tune_restore.py: run as a subprocess so that the test can SIGKILL it. Also the
+fault injector of test_tune.py's distributed trial (importable on Ray workers: PYTHONPATH is the repo root)."""
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import time
 
@@ -19,6 +21,25 @@ class SlowAfterFirstEvaluation(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step > 10:
             time.sleep(0.5)
+
+
+class KillWorkerOnce(TrainerCallback):
+    """SIGKILLs the Ray Train worker of `rank` at the end of `step`, once per sweep (the marker file is
+    shared by its trials); rank 0 appends the step each attempt starts from to its trial's starts.txt."""
+
+    def __init__(self, marker: str, rank: int = 1, step: int = 7):
+        self.marker, self.rank, self.step = marker, rank, step
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if int(os.environ.get("RANK", 0)) == 0:
+            with open(os.path.join(args.output_dir, "starts.txt"), "a") as f:
+                f.write(f"{state.global_step}\n")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if int(os.environ.get("RANK", 0)) == self.rank and state.global_step == self.step \
+                and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def main(out: str, resume: str) -> None:

@@ -76,7 +76,7 @@ def test_conditional_integer_and_log_parameters_sample_as_written():
         space.to_tune()
 
 
-def test_pbt_refuses_architecture_keys_before_the_sweep(tmp_path):
+def test_pbt_refuses_architecture_keys_before_the_sweep(tmp_path, monkeypatch):
     from examples.digits import build_datasets, build_model
     from raytrain import Trainer, TrainingArguments
 
@@ -90,6 +90,11 @@ def test_pbt_refuses_architecture_keys_before_the_sweep(tmp_path):
                                       direction=["minimize", "maximize"], scheduler="asha")
     with pytest.raises(ConfigError, match="sampler: must be one of tpe, random, cmaes, qmc, got 'grid'"):
         trainer.hyperparameter_search({"learning_rate": {"uniform": [0.001, 0.01]}}, sampler="grid")
+    import importlib.util
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)  # as without the cmaes package
+    with pytest.raises(ConfigError, match="^sampler: 'cmaes' needs the cmaes package .*: pip install cmaes"):
+        trainer.hyperparameter_search({"learning_rate": {"uniform": [0.001, 0.01]}}, sampler="cmaes")
+    monkeypatch.undo()
     with pytest.raises(ValueError, match="storage_path: 's3://bucket/sweeps': a sweep writes trial checkpoints"):
         trainer.hyperparameter_search({"learning_rate": {"uniform": [0.001, 0.01]}}, storage_path="s3://bucket/sweeps")
     assert not (tmp_path / "sweeps").exists()  # refused before anything was written
@@ -99,7 +104,8 @@ def test_schedulers_and_samplers_by_name():
     import optuna
     from ray.tune import schedulers as s
 
-    from raytrain.tune import _sampler, _scheduler
+    from raytrain.sweep_sampler import TrialSeededSampler, make_sampler
+    from raytrain.tune import _scheduler
 
     assert _scheduler("none", None, {}) is None
     assert isinstance(_scheduler("asha", None, {}), s.AsyncHyperBandScheduler)
@@ -109,12 +115,14 @@ def test_schedulers_and_samplers_by_name():
     kinds = {"tpe": optuna.samplers.TPESampler, "random": optuna.samplers.RandomSampler,
              "cmaes": optuna.samplers.CmaEsSampler, "qmc": optuna.samplers.QMCSampler}
     for name, cls in kinds.items():
-        assert isinstance(_sampler(name, 0, 12), cls)
+        assert isinstance(make_sampler(name, None, 12), cls)
+        seeded = make_sampler(name, 0, 12)
+        assert isinstance(seeded, TrialSeededSampler) and isinstance(seeded._inner, cls)
     # Seeded: the same seed gives the same first suggestions.
     space = space_from_spec({"learning_rate": {"loguniform": [1e-4, 1e-2]}})
     firsts = []
     for _ in range(2):
-        study = optuna.create_study(sampler=_sampler("tpe", 7, 12))
+        study = optuna.create_study(sampler=make_sampler("tpe", 7, 12))
         trial = study.ask()
         space(trial)
         firsts.append(trial.params["learning_rate"])

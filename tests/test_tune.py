@@ -16,7 +16,7 @@ from raytrain import Trainer, TrainingArguments
 pytestmark = pytest.mark.ray
 
 
-def _trainer(tmp_path, digits, model_init=None, **kw):
+def _trainer(tmp_path, digits, model_init=None, callbacks=None, **kw):
     from examples.digits import build_model, compute_metrics
 
     train, val = digits
@@ -25,7 +25,7 @@ def _trainer(tmp_path, digits, model_init=None, **kw):
                 save_total_limit=1, disable_tqdm=True)
     args = TrainingArguments(**{**base, **kw})
     return Trainer(args=args, model_init=model_init or (lambda **k: build_model(**k)), train_dataset=train,
-                   eval_dataset=val, compute_metrics=compute_metrics)
+                   eval_dataset=val, compute_metrics=compute_metrics, callbacks=callbacks)
 
 
 def _ours_in_tmp() -> set[str]:
@@ -139,6 +139,40 @@ def test_failures_multi_objective_and_mlflow_parent_child(ray_cluster, tmp_path,
     assert "model_init exploded" in children[failed["trial_id"].iloc[0]].data.tags["raytrain.error"]
 
 
+@pytest.mark.parametrize("scheduler,sampler", [("hyperband", "cmaes"), ("median", "qmc")])
+def test_hyperband_median_cmaes_and_qmc_run_real_sweeps(ray_cluster, tmp_path, digits, scheduler, sampler):
+    """Each scheduler and sampler not covered above runs a real (tiny) sweep to its n_trials; the sweep's
+    Tune state names the scheduler, and the study holds what only that sampler writes."""
+    import optuna
+    from ray import cloudpickle
+    from ray.tune import schedulers as s
+
+    if sampler == "cmaes":
+        pytest.importorskip("cmaes")
+    best = _trainer(tmp_path, digits, max_steps=10).hyperparameter_search(
+        {"learning_rate": {"loguniform": [1e-4, 3e-2]}, "weight_decay": {"uniform": [0.0, 0.1]}}, n_trials=4,
+        direction="maximize", metric="accuracy", scheduler=scheduler, sampler=sampler, seed=0,
+        max_concurrent_trials=2, name=scheduler, plots=False)
+    sweep = tmp_path / "out" / "sweeps" / scheduler
+    table = best.run_summary
+    assert len(table) == 4 and set(table["status"]) <= {"finished", "stopped early"}
+    assert (table["status"] == "finished").any() and table["objective"].notna().all()
+    tuned = cloudpickle.loads((sweep / "tuner.pkl").read_bytes())["_tune_config"].scheduler
+    if scheduler == "hyperband":  # async HyperBand: ASHA's class with several brackets
+        assert isinstance(tuned, s.AsyncHyperBandScheduler) and len(tuned._brackets) == 3
+    else:
+        assert isinstance(tuned, s.MedianStoppingRule)
+    storage = optuna.storages.RDBStorage(f"sqlite:///{sweep / 'optuna.db'}")
+    study = optuna.load_study(study_name=scheduler, storage=storage)
+    assert len(study.trials) == 4
+    if sampler == "cmaes":  # CMA-ES keeps its optimizer in the trials it sampled (all but the first)
+        assert sum(any(k.startswith("cma:") for k in t.system_attrs) for t in study.trials) >= 3
+    else:  # QMC counts its points in the study: the first trial samples at random (it learns the space
+        # from it), the other 3 take points 0..2
+        attrs = storage.get_study_system_attrs(storage.get_study_id_from_name(scheduler))
+        assert [v for k, v in attrs.items() if k.startswith("qmc:")] == [2]
+
+
 def test_pbt_clones_a_checkpoint_with_the_mutated_learning_rate(ray_cluster, tmp_path, digits):
     trainer = _trainer(tmp_path, digits, lr_scheduler_type="constant", save_total_limit=None)
     best = trainer.hyperparameter_search(
@@ -169,15 +203,41 @@ def test_pbt_clones_a_checkpoint_with_the_mutated_learning_rate(ray_cluster, tmp
     assert before and all(v != pytest.approx(float(lr)) for v in before)  # the source trial's own rate
 
 
-def test_a_two_worker_trial_inside_a_sweep_reports(ray_cluster, tmp_path, digits):
-    trainer = _trainer(tmp_path, digits, max_steps=10, **{"scaling": {"num_workers": 2}})
-    best = trainer.hyperparameter_search({"learning_rate": {"loguniform": [1e-3, 1e-2]}}, n_trials=2,
-                                         direction="maximize", metric="accuracy", scheduler="none", seed=0,
-                                         max_concurrent_trials=1, name="ddp")
+def test_a_worker_killed_in_a_two_worker_trial_restarts_from_the_trials_checkpoint(ray_cluster, tmp_path, digits):
+    """Rank 1 of a 2-worker trial is SIGKILLed after step 7. The trial's FailureConfig (scaling.max_failures)
+    restarts the group from checkpoint-5, and the trial ends with the weights of one process trained with the
+    same global batch and seed (the same maths, as test_launch shows; a second 2-worker trial would cost
+    another worker group start)."""
+    import torch
+
+    from examples.digits import build_model, compute_metrics
+    from raytrain.checkpoint import load_weights
+    from raytrain.seeding import set_seed
+    from tests._sweep_driver import KillWorkerOnce
+
+    trainer = _trainer(tmp_path, digits, model_init=lambda **k: build_model(dropout=0.0, **k), max_steps=10,
+                       callbacks=[KillWorkerOnce(str(tmp_path / "killed"), rank=1, step=7)],
+                       scaling={"num_workers": 2, "max_failures": 1})
+    best = trainer.hyperparameter_search({"learning_rate": {"choice": [3e-3]}}, n_trials=1, direction="maximize",
+                                         metric="accuracy", scheduler="none", seed=0, name="ddp")
     table = best.run_summary
-    assert (table["status"] == "finished").all() and (table["steps"] == 10).all()
-    assert (table["objective"] > 0.1).all()
-    assert best.checkpoint and os.path.isdir(best.checkpoint)
+    assert (tmp_path / "killed").exists()
+    assert list(table["status"]) == ["finished"] and list(table["steps"]) == [10]
+    trial_dir = tmp_path / "out" / "sweeps" / "ddp" / f"trial_{best.run_id}"
+    assert (trial_dir / "starts.txt").read_text().split() == ["0", "5"]  # restarted from checkpoint-5
+    assert best.checkpoint == str(trial_dir / "checkpoint-10")
+
+    set_seed(trainer.args.seed)  # as the trial seeds before model_init
+    model = build_model(dropout=0.0)
+    args = TrainingArguments(output_dir=str(tmp_path / "one"), max_steps=10, per_device_train_batch_size=64,
+                             learning_rate=3e-3, save_steps=10, disable_tqdm=True)
+    one = Trainer(model=model, args=args, train_dataset=digits[0], eval_dataset=digits[1],
+                  compute_metrics=compute_metrics)
+    one.train()
+    ours, ref = load_weights(best.checkpoint), load_weights(str(tmp_path / "one" / "checkpoint-10"))
+    for name in ref:
+        torch.testing.assert_close(ours[name], ref[name], rtol=1e-4, atol=1e-5)
+    assert best.objective == pytest.approx(one.evaluate()["eval_accuracy"], abs=1 / 359 + 1e-9)
 
 
 def test_cli_search_resumes_by_name(ray_cluster, tmp_path):

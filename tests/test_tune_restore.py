@@ -71,3 +71,63 @@ def test_sigkilled_driver_resumes_without_rerunning_finished_trials(ray_cluster,
     study = optuna.load_study(study_name="restore", storage=f"sqlite:///{sweep / 'optuna.db'}")
     assert len(study.trials) == 4
     assert all(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
+
+
+def _searcher(db, sampler="tpe"):
+    """raytrain's OptunaSearch over a SQLite study, as hyperparameter_search builds it."""
+    import optuna
+
+    from raytrain.search_space import space_from_spec
+    from raytrain.sweep_sampler import make_sampler
+    from raytrain.tune import _search_class
+
+    space = space_from_spec({"learning_rate": {"loguniform": [1e-4, 1e-1]}, "weight_decay": {"uniform": [0, 0.1]},
+                             "model.hidden_size": {"choice": [16, 32, 64]}})
+    return _search_class()(space=space, metric="objective", mode="max", sampler=make_sampler(sampler, 5, 9),
+                           study_name="s", storage=optuna.storages.RDBStorage(f"sqlite:///{db}"))
+
+
+def _objective(cfg: dict) -> float:
+    import math
+
+    return -(math.log10(cfg["learning_rate"]) + 2.5) ** 2 - 10 * cfg["weight_decay"] + cfg["model.hidden_size"] / 100
+
+
+@pytest.mark.parametrize("sampler", ["tpe", "qmc", "cmaes"])
+def test_suggestions_after_a_restore_equal_an_uninterrupted_sweep(tmp_path, sampler):
+    """One trial at a time, 9 trials (TPE models from the 4th on). The restored sweep is what Tuner.restore
+    rebuilds: the searcher as the Tuner was created (tuner.pkl) with Tune's last saved searcher state, saved
+    after 4 trials; a 5th was asked after that save (its Optuna trial is an orphan) when the driver died."""
+    import optuna
+    from ray import cloudpickle as pickle  # as Tune pickles the Tuner
+
+    if sampler == "cmaes":
+        pytest.importorskip("cmaes")
+
+    uninterrupted = _searcher(tmp_path / "a.db", sampler)
+    reference = []
+    for i in range(9):
+        cfg = uninterrupted.suggest(f"a{i}")
+        reference.append(cfg)
+        uninterrupted.on_trial_complete(f"a{i}", {"objective": _objective(cfg)})
+
+    searcher = _searcher(tmp_path / "b.db", sampler)
+    as_created = pickle.dumps(searcher)
+    for i in range(4):
+        searcher.on_trial_complete(f"b{i}", {"objective": _objective(searcher.suggest(f"b{i}"))})
+    searcher.save(str(tmp_path / "searcher-state.pkl"))
+    assert searcher.suggest("b4") == reference[4]  # asked after the save; then the driver dies
+    del searcher
+
+    restored = pickle.loads(as_created)
+    restored.restore(str(tmp_path / "searcher-state.pkl"))
+    after = []
+    for i in range(4, 9):
+        cfg = restored.suggest(f"c{i}")  # Tune's new trial ids
+        after.append(cfg)
+        restored.on_trial_complete(f"c{i}", {"objective": _objective(cfg)})
+    assert after == reference[4:]
+    assert len({c["learning_rate"] for c in reference}) == 9  # not one value repeated
+    study = optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path / 'b.db'}")
+    assert [t.number for t in study.trials] == list(range(9))
+    assert all(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
