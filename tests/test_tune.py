@@ -165,8 +165,9 @@ def test_hyperband_median_cmaes_and_qmc_run_real_sweeps(ray_cluster, tmp_path, d
     storage = optuna.storages.RDBStorage(f"sqlite:///{sweep / 'optuna.db'}")
     study = optuna.load_study(study_name=scheduler, storage=storage)
     assert len(study.trials) == 4
-    if sampler == "cmaes":  # CMA-ES keeps its optimizer in the trials it sampled (all but the first)
-        assert sum(any(k.startswith("cma:") for k in t.system_attrs) for t in study.trials) >= 3
+    if sampler == "cmaes":  # CMA-ES keeps its optimizer in the trials it sampled: all but those started
+        # before the first one finished (up to 2, with 2 at once), which are sampled independently
+        assert sum(any(k.startswith("cma:") for k in t.system_attrs) for t in study.trials) >= 2
     else:  # QMC counts its points in the study: the first trial samples at random (it learns the space
         # from it), the other 3 take points 0..2
         attrs = storage.get_study_system_attrs(storage.get_study_id_from_name(scheduler))
