@@ -1,24 +1,45 @@
-"""Ray Data in: a ray.data Dataset executed once by Ray Data, then streamed per rank by StreamSource.
+"""Ray Data in: a ray.data Dataset executed by Ray Data, its output blocks streamed per rank by StreamSource.
 
 Ray Data's streaming executor runs the dataset's plan (reads, `map_batches` as Ray tasks or actors on
 the cluster's CPUs, with the concurrency and resources given to map_batches) with `preserve_order`, so
-its output blocks arrive in a fixed order. They stay in Ray's object store, one copy for all workers
-(spilled to disk beyond the store's memory); raytrain keeps their references and row counts
-(`RayBlocks`). Each rank then reads only its own blocks, a window at a time (data_stream.py): worker
-memory is about two windows whatever the dataset's size, and a resume fetches one window.
+its output blocks arrive in a fixed order. A thread of the process that owns the dataset (the driver
+under launch.py, or the training process itself) keeps that executor running and *publishes* each
+block's reference and row count as it arrives (`_Board`: an object in-process, a CPU-less actor for Ray
+Train workers). The blocks stay in Ray's object store, one copy for all workers, executed once: later
+epochs reuse them. Ranks read their windows (data_stream.py) as soon as the blocks they need exist.
 
-Why not stream straight into the workers: Ray's streaming_split hands blocks to whichever worker asks
-first and cannot start mid-epoch (ray#37633, ray#48224), so neither the order nor a resume would be
-exact. Executing on the driver (launch.py) also runs it before the training workers hold the CPUs:
-a 2-worker run on 2 CPUs cannot starve Ray Data. Where Ray Data still gets no CPU (other work holds
-them), no block for RAYTRAIN_DATA_TIMEOUT_S fails with one line naming the stage and the free CPUs.
+Beside training, what cannot be known before the data exists, and how raytrain decides:
+
+- Row count. Epoch length, equal steps per rank and the LR schedule need it up front. It is taken from
+  Ray without executing (`Dataset._meta_count`: a read whose size Ray knows, e.g. `range`, `from_items`,
+  then stages Ray declares row-preserving, e.g. `map`, `select_columns`), from `ds.count()` when the
+  plan is only a Parquet read (Ray counts it from the file footers), or from the user
+  (`RayData(ds, num_rows=N)`; the stream checks it and fails in one line if the data disagrees). Ray
+  declares `map_batches`, `filter` and `flat_map` may change the row count: without `num_rows` such a
+  dataset is executed in full before training (today's path), said in one info line.
+- Order. Epoch 0 reads the blocks in output order (fixed by preserve_order), later epochs a seeded
+  permutation of the then-known blocks; within a rank, windows are shuffled by (seed, epoch, rank,
+  window). Ranks take windows interleaved along the stream (rank r the r-th window of each group of
+  world_size), so every rank starts as soon as the first blocks exist and all advance together. The
+  layout depends only on row counts, so the order depends only on (seed, epoch, rank, world size),
+  whichever way the dataset was executed.
+- CPUs. Executing beside training needs CPUs the training workers do not hold: launch.py streams beside
+  only when the cluster's CPUs cover the training workers (ScalingConfig.total_resources) plus what the
+  largest stage asks for (its num_cpus, times an actor pool's minimum size); otherwise it executes the
+  dataset before the workers start (they then hold the CPUs), with one info line saying what to give.
+
+Why not Ray's streaming_split into the workers: it hands blocks to whichever worker asks first and cannot
+start mid-epoch (ray#37633, ray#48224), so neither the order nor a resume would be exact. No block for
+RAYTRAIN_DATA_TIMEOUT_S fails with one line naming the stage and the free CPUs.
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import re
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,6 +47,8 @@ import numpy as np
 
 from .data import DataError, _is_ray
 from .data_stream import DATA_TIMEOUT_ENV, StreamSource, data_timeout_s
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -35,12 +58,15 @@ class RayData:
     buffer_bytes: each rank's shuffle window in bytes of rows (worker memory ~ 2 windows).
     prefetch_batches: batches assembled ahead in a thread (pays only for a slow collate_fn).
     timeout_s: seconds without a block before the run fails naming the stage (RAYTRAIN_DATA_TIMEOUT_S, 600).
+    num_rows: the dataset's row count when Ray cannot say it without executing (map_batches): the dataset
+      then streams beside training; the stream fails in one line if the data has another count.
     """
 
     dataset: Any
     buffer_bytes: int = 64 << 20
     prefetch_batches: int = 0
     timeout_s: float | None = None
+    num_rows: int | None = None
 
 
 @dataclass(frozen=True)
@@ -53,23 +79,107 @@ class RayBlock:
     index: int
 
 
-class RayBlocks:
-    """A Ray Dataset's output blocks in order (references, row counts, bytes): what workers are handed.
-    The driver that executed the dataset owns the blocks; they live as long as a reference does."""
+class _Board:
+    """The published blocks of one stream: (ref, start, rows, bytes per row) entries, then the end or an
+    error. In-process as it is; for Ray Train workers as a CPU-less actor (ray.remote(_Board))."""
 
-    def __init__(self, blocks: list[RayBlock], nbytes: int, where: str, spec: RayData):
-        self.blocks, self.nbytes, self.where = blocks, nbytes, where
+    def __init__(self):
+        self.entries: list = []
+        self.done, self.error = False, None
+        self._lock = threading.Lock()
+
+    def add(self, entries: list) -> None:
+        with self._lock:
+            self.entries.extend(entries)
+
+    def end(self, error: str | None = None) -> None:
+        with self._lock:
+            self.done, self.error = True, error
+
+    def get(self, since: int):
+        with self._lock:
+            return self.entries[since:], self.done, self.error
+
+
+class RayBlocks:
+    """A Ray Dataset's output blocks in order: references, row counts, bytes. Either complete (executed
+    before reading) or growing while Ray Data runs (published on a _Board; `wait_rows` / `wait_all`)."""
+
+    arrives_in_order = True  # StreamSource: epoch 0 in output order, ranks interleaved by window
+
+    def __init__(self, spec: RayData, where: str, num_rows: int, blocks: list[RayBlock] | None = None,
+                 row_bytes: int | None = None, board: Any = None, remote: bool = False):
+        self.where, self.total_rows, self.board, self.remote = where, num_rows, board, remote
+        self.blocks: list[RayBlock] = list(blocks or [])
+        self.row_bytes = row_bytes
+        self.complete = board is None
         self.buffer_bytes, self.prefetch_batches, self.timeout_s = \
             spec.buffer_bytes, spec.prefetch_batches, spec.timeout_s
         self.name = "dataset"
+        self._rows = sum(b.num_rows for b in self.blocks)
+        self._keep: list = []  # the owner's references while Ray Data publishes (not pickled)
+        self.closed = False
+        self._thread: threading.Thread | None = None
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state["_keep"], state["_thread"] = [], None
+        return state
 
     @property
     def num_rows(self) -> int:
-        return sum(b.num_rows for b in self.blocks)
+        return self.total_rows
+
+    @property
+    def nbytes(self) -> int:
+        self.wait_rows(1)
+        return max(1, (self.row_bytes or 1) * self.total_rows)
 
     def describe(self, blk: RayBlock) -> str:
         return f"{self.where}, block {blk.index}"
 
+    # -- blocks as they arrive
+    def _poll(self) -> None:
+        import ray
+        got = self.board.get.remote(len(self.blocks)) if self.remote else self.board.get(len(self.blocks))
+        entries, done, error = ray.get(got) if self.remote else got
+        for ref, start, n, row_bytes in entries:
+            if self.row_bytes is None:
+                self.row_bytes = row_bytes
+            self.blocks.append(RayBlock(ref, start, n, len(self.blocks)))
+            self._rows += n
+        if error:
+            raise DataError(error)
+        if done and not entries:
+            self.complete = True
+
+    def wait_rows(self, rows: int) -> None:
+        """Until the published blocks hold at least `rows` rows (in output order), or the stream ended."""
+        pause = 0.005
+        while not self.complete and self._rows < rows:
+            self._poll()
+            if self.complete or self._rows >= rows:
+                break
+            if not threading.main_thread().is_alive():  # the process is exiting: a loader must not hold it
+                raise DataError(f"{self.name} ({self.where}): the process exits while waiting for Ray Data")
+            time.sleep(pause)
+            pause = min(0.1, pause * 2)
+
+    def wait_all(self) -> None:
+        """Until Ray Data has published every block (later epochs permute the whole list)."""
+        self.wait_rows(self.total_rows + 1)
+
+    def close(self) -> None:
+        """The owner lets the blocks go (after the run); an actor board ends with it."""
+        self._keep, self.closed = [], True
+        if self.remote and self.board is not None:
+            import ray
+            try:
+                ray.kill(self.board)
+            except Exception:  # already gone with the cluster
+                pass
+
+    # -- reading
     def read(self, blk: RayBlock, lo: int, hi: int) -> dict[str, np.ndarray]:
         from .data_files import table_to_numpy
         return table_to_numpy(self.read_many([(blk, lo, hi)])[0], self.name, self.describe(blk))
@@ -91,16 +201,18 @@ class RayBlocks:
 
 
 def ray_source(data: Any, batch_size: int, *, name: str, prefetch_batches: int | None = None, **kw) -> StreamSource:
-    """A StreamSource over a ray Dataset / DataIterator / RayData (executed here) or RayBlocks (as handed)."""
-    blocks = data if isinstance(data, RayBlocks) else execute(data, name)
+    """A StreamSource over a ray Dataset / DataIterator / RayData (started here, streaming beside this
+    process when its row count is known) or RayBlocks (as handed by the driver)."""
+    blocks = data if isinstance(data, RayBlocks) else start(data, name)
     blocks.name = name
+    blocks.wait_rows(1)  # the first block: bytes per row (window size) and the columns
     pf = blocks.prefetch_batches if prefetch_batches is None else prefetch_batches
     return StreamSource(blocks, batch_size, nbytes=blocks.nbytes, buffer_bytes=blocks.buffer_bytes, name=name,
                         prefetch_batches=pf, timeout_s=blocks.timeout_s, **kw)
 
 
-def execute(data: Any, name: str = "dataset") -> RayBlocks:
-    """Run a ray Dataset's plan in order with Ray Data and keep its output blocks' references."""
+def _prepare(data: Any, name: str):
+    """(spec, a copy of the dataset set to preserve order, where, first stage) of any accepted Ray input."""
     import ray.data
 
     spec = data if isinstance(data, RayData) else RayData(data)
@@ -117,20 +229,117 @@ def execute(data: Any, name: str = "dataset") -> RayBlocks:
     ds = ray.data.Dataset.copy(data, _deep_copy=True)
     ds.context.execution_options.preserve_order = True  # the blocks' order is the data's, not the timing's
     stage = str(ds).splitlines()[0].strip()
-    where = f"{what} {stage}"
-    timeout = data_timeout_s(spec.timeout_s)
-    blocks, nbytes = [], 0
-    for bundle in _bundles(ds, name, where, stage, timeout):
-        slices = bundle.slices or [None] * len(bundle.blocks)
-        for entry, piece in zip(bundle.blocks, slices):
-            start = piece.start_offset if piece is not None else 0
-            n = piece.num_rows if piece is not None else entry.metadata.num_rows
-            if n:
-                blocks.append(RayBlock(entry.ref, start, int(n), len(blocks)))
-                nbytes += int(entry.metadata.size_bytes or 0) * n // max(1, entry.metadata.num_rows or n)
+    return spec, ds, f"{what} {stage}", stage
+
+
+def start(data: Any, name: str = "dataset", *, spare_cpus: float | None = None, remote: bool = False) -> RayBlocks:
+    """Start Ray Data on the dataset: streaming beside the reader when its row count is known without
+    executing and (spare_cpus given: the CPUs training leaves free) its stages fit beside training;
+    else executed in full first, with one info line saying why."""
+    spec, ds, where, stage = _prepare(data, name)
+    count, why = _row_count(spec, ds, stage)
+    if count is not None and spare_cpus is not None:
+        need, op = _data_cpus(ds)
+        if need > spare_cpus:
+            count, why = None, (f"its stage {op} needs {need:g} CPU(s) and the cluster has {spare_cpus:g} beside the "
+                                f"training workers; give it {need - spare_cpus:g} more CPU(s) (ray.init(num_cpus=...), "
+                                "fewer workers, or a lower num_cpus in map_batches)")
+    if count is None:
+        logger.info("%s: Ray Data executes it in full before training: %s", name, why)
+        return execute(spec, name)
+    if count == 0:
+        raise DataError(f"{name} ({where}): the dataset is empty (0 rows)")
+    import ray
+    board = ray.remote(num_cpus=0)(_Board).remote() if remote else _Board()
+    blocks = RayBlocks(spec, where, count, board=board, remote=remote)
+    blocks._thread = threading.Thread(target=_publish, name="raytrain-ray-publish", daemon=True,
+                                      args=(ds, blocks, name, stage, data_timeout_s(spec.timeout_s)))
+    blocks._thread.start()
+    return blocks
+
+
+def _row_count(spec: RayData, ds, stage: str) -> tuple[int | None, str]:
+    """The row count Ray can give without executing the plan (or the user's), else None and why not."""
+    if spec.num_rows is not None:
+        return int(spec.num_rows), ""
+    count = ds._meta_count()  # Ray's metadata: a read of known size through row-preserving stages; never runs
+    if count is not None:
+        return int(count), ""
+    dag = ds._logical_plan.dag
+    if not dag.input_dependencies and "parquet" in dag.name.lower():
+        return int(ds.count()), ""  # a bare Parquet read: Ray counts it reading no column (file footers)
+    return None, (f"Ray cannot count its rows without running it ({stage} may change the row count); "
+                  "RayData(ds, num_rows=N) streams it beside training")
+
+
+def _data_cpus(ds) -> tuple[float, str]:
+    """The most CPUs one stage needs to make progress (its num_cpus, times an actor pool's minimum size)."""
+    need, what, todo = 0.0, "", [ds._logical_plan.dag]
+    while todo:
+        op = todo.pop()
+        todo += list(op.input_dependencies)
+        args = getattr(op, "ray_remote_args", None)
+        if args is None:  # data already in the object store (from_items, from_numpy): no task
+            continue
+        cpus = float(args.get("num_cpus", 1))
+        cpus *= getattr(getattr(op, "compute", None), "min_size", None) or 1
+        if cpus > need:
+            need, what = cpus, op.name
+    return need, what
+
+
+def _publish(ds, blocks: RayBlocks, name: str, stage: str, timeout: float) -> None:
+    """Driver thread: run Ray Data and publish each output block as it arrives; the end, or the error in
+    one line (a raising stage, a stall, a row count other than announced)."""
+    board, where, expected = blocks.board, blocks.where, blocks.total_rows
+    call = (lambda m, *a: getattr(board, m).remote(*a)) if blocks.remote else (lambda m, *a: getattr(board, m)(*a))
+    rows = 0
+    try:
+        for bundle in _bundles(ds, name, where, stage, timeout):
+            entries = list(_entries(bundle))
+            rows += sum(e[2] for e in entries)
+            if rows > expected:
+                raise DataError(_miscount(name, where, expected, f"more than {expected}"))
+            if blocks.closed:  # the run ended before the data did: stop Ray Data
+                return
+            blocks._keep.extend(e[0] for e in entries)
+            call("add", entries)
+        if rows != expected:
+            raise DataError(_miscount(name, where, expected, str(rows)))
+        call("end", None)
+    except DataError as e:
+        call("end", str(e))
+    except BaseException as e:  # handed to the readers as one line
+        call("end", f"{name} ({where}): Ray Data failed: {type(e).__name__}: {str(e).strip().splitlines()[:1]}")
+
+
+def _miscount(name: str, where: str, expected: int, got: str) -> str:
+    return (f"{name} ({where}): Ray Data produced {got} rows, not the {expected} announced (num_rows, or Ray's "
+            "metadata); give the right num_rows, or none to execute it before training")
+
+
+def _entries(bundle):
+    """(reference, first row, rows, bytes per row) of each block of a Ray Data output bundle."""
+    slices = bundle.slices or [None] * len(bundle.blocks)
+    for entry, piece in zip(bundle.blocks, slices):
+        start = piece.start_offset if piece is not None else 0
+        n = piece.num_rows if piece is not None else entry.metadata.num_rows
+        if n:
+            row_bytes = int(entry.metadata.size_bytes or 0) // max(1, entry.metadata.num_rows or n)
+            yield entry.ref, start, int(n), max(1, row_bytes)
+
+
+def execute(data: Any, name: str = "dataset") -> RayBlocks:
+    """Run a ray Dataset's plan in order with Ray Data to its end and keep its output blocks' references."""
+    spec, ds, where, stage = _prepare(data, name)
+    blocks, row_bytes = [], None
+    for bundle in _bundles(ds, name, where, stage, data_timeout_s(spec.timeout_s)):
+        for ref, start, n, rb in _entries(bundle):
+            row_bytes = row_bytes or rb
+            blocks.append(RayBlock(ref, start, n, len(blocks)))
     if not blocks:
         raise DataError(f"{name} ({where}): the dataset is empty (0 rows)")
-    return RayBlocks(blocks, max(nbytes, 1), where, spec)
+    return RayBlocks(spec, where, sum(b.num_rows for b in blocks), blocks, row_bytes)
 
 
 def _bundles(ds, name: str, where: str, stage: str, timeout: float):
@@ -185,12 +394,17 @@ def _failed(name: str, where: str, error: BaseException, count: int) -> str:
     return f"{name} ({where}): {at} raised {what} (on block {count} of the stream or a later one in flight)"
 
 
-def blocks_for_workers(trainer) -> dict[str, RayBlocks]:
-    """Driver side: execute the trainer's ray Datasets once, before the training workers take the CPUs,
-    and hand every worker the same block references (launch.py passes them in the train-loop config)."""
+def blocks_for_workers(trainer, scaling=None) -> dict[str, RayBlocks]:
+    """Driver side: start Ray Data on the trainer's ray Datasets and hand every worker the same blocks
+    (launch.py passes them in the train-loop config). Beside training when the cluster's CPUs cover the
+    training workers (`scaling`, a ScalingConfig) and the data's stages, else executed first."""
+    import ray
+    spare = None
+    if scaling is not None:
+        spare = ray.cluster_resources().get("CPU", 0) - scaling.total_resources.get("CPU", 0)
     out = {}
     for key in ("train_dataset", "eval_dataset"):
         value = getattr(trainer, key, None)
         if value is not None and (_is_ray(value) or isinstance(value, RayData)):
-            out[key] = execute(value, key)
+            out[key] = start(value, key, spare_cpus=spare, remote=True)
     return out

@@ -75,12 +75,14 @@ class StreamSource:
                  seed: int = 0, shuffle: bool = True, drop_last: bool = False, rank: int = 0, world_size: int = 1,
                  collate_fn: Callable | None = None, prefetch_batches: int = 0,
                  preprocess: Callable | None = None, timeout_s: float | None = None):
-        self.reader, self.blocks, self.name, self.where = reader, list(reader.blocks), name, reader.where
+        self.reader, self.name, self.where = reader, name, reader.where
+        # Ray Data blocks arrive while the source is read: epoch 0 in output order, ranks interleaved by window
+        self.in_order = bool(getattr(reader, "arrives_in_order", False))
         self.batch_size, self.seed, self.shuffle, self.drop_last = batch_size, seed, shuffle, drop_last
         self.rank, self.world_size, self.collate_fn = rank, world_size, collate_fn
         self.prefetch_batches, self.preprocess, self.keep = prefetch_batches, preprocess, None
         self.timeout_s = data_timeout_s(timeout_s)
-        self.num_samples = sum(b.num_rows for b in self.blocks)
+        self.num_samples = getattr(reader, "num_rows", None) or sum(b.num_rows for b in self.blocks)
         if self.num_samples == 0:
             raise DataError(f"{name} ({self.where}): the dataset is empty (0 rows)")
         self._num_batches, self._used = plan_epoch(self.num_samples, batch_size, world_size, drop_last, name)
@@ -96,8 +98,13 @@ class StreamSource:
         self._loader: ThreadPoolExecutor | None = None
         self.wait_s = 0.0
         self.all_columns: list[str] | None = None
+        self._wait(0, batch_size)
         first = self.blocks[0]
         self._sample = self._read(first, 0, min(first.num_rows, batch_size))
+
+    @property
+    def blocks(self) -> Sequence[Any]:
+        return self.reader.blocks  # a Ray stream's list grows as Ray Data publishes blocks
 
     def __len__(self) -> int:
         return self._num_batches
@@ -110,19 +117,43 @@ class StreamSource:
     # -- order
     def block_order(self, epoch: int) -> np.ndarray:
         n = len(self.blocks)
+        if self.in_order and epoch == 0:
+            return np.arange(n)  # the blocks as they arrive: a rank need not wait for the whole dataset
         return _rng(self.seed, epoch, 1).permutation(n) if self.shuffle else np.arange(n)
+
+    def _wait(self, epoch: int, rows: int) -> None:
+        """Until the blocks the first `rows` rows of `epoch`'s stream need exist (all of them, for a permuted
+        epoch): a no-op for files; a Ray stream polls what Ray Data has published."""
+        if hasattr(self.reader, "wait_rows"):
+            self.reader.wait_rows(rows) if self.in_order and epoch == 0 else self.reader.wait_all()
 
     def _window_range(self, k: int) -> tuple[int, int]:
         """Window k's rows in this rank's local order: [lo, hi) from the start of the rank's range."""
         lo = k * self.window_rows
         return lo, self.range_rows if k == self.num_windows - 1 else lo + self.window_rows
 
+    def _stream_span(self, k: int) -> tuple[int, int]:
+        """Window k's rows as positions [lo, hi) in the epoch's stream. Contiguous: each rank one range of
+        the stream. Interleaved (Ray): windows in groups of world_size, rank r the r-th of each group; the
+        last (short) windows of all ranks follow each other, so the ranks' rows still tile the stream."""
+        wlo, whi = self._window_range(k)
+        if not self.in_order:
+            return self.range_start + wlo, self.range_start + whi
+        w, ws = self.window_rows, self.world_size
+        if k < self.num_windows - 1:
+            lo = (k * ws + self.rank) * w
+            return lo, lo + w
+        tail = (self.num_windows - 1) * w  # rows before the last window, the same on every rank
+        lo = tail * ws + sum(self._rank_rows(r) - tail for r in range(self.rank))
+        return lo, lo + whi - wlo
+
     def _load_window(self, epoch: int, k: int):
         """Window k's rows as read, in parts (one per block it touches), and its permutation."""
+        wlo, whi = self._window_range(k)
+        glo, ghi = self._stream_span(k)  # positions in the epoch's stream
+        self._wait(epoch, ghi)
         order = self.block_order(epoch)
         starts = np.concatenate([[0], np.cumsum([self.blocks[i].num_rows for i in order])])
-        wlo, whi = self._window_range(k)
-        glo, ghi = self.range_start + wlo, self.range_start + whi  # positions in the epoch's stream
         j = int(np.searchsorted(starts, glo, side="right")) - 1
         pieces = []
         while j < len(order) and starts[j] < ghi:
@@ -164,9 +195,11 @@ class StreamSource:
         return wlo, cols, perm
 
     def _window_blocks(self, epoch: int, k: int) -> str:
+        if not self.blocks:
+            return f"no block published yet of {self.where}"
         order = self.block_order(epoch)
         starts = np.concatenate([[0], np.cumsum([self.blocks[i].num_rows for i in order])])
-        j = int(np.searchsorted(starts, self.range_start + self._window_range(k)[0], side="right")) - 1
+        j = int(np.searchsorted(starts, self._stream_span(k)[0], side="right")) - 1
         return self.reader.describe(self.blocks[order[min(j, len(order) - 1)]])
 
     def iter_batches(self, epoch: int, start: int = 0) -> Iterator[dict[str, torch.Tensor]]:
@@ -227,6 +260,6 @@ class StreamSource:
         return {"kind": self.kind, "num_samples": self.num_samples, "batch_size": self.batch_size,
                 "world_size": self.world_size, "seed": self.seed, "shuffle": self.shuffle,
                 "drop_last": self.drop_last, "buffer_rows": self.buffer_rows, "window_rows": self.window_rows,
-                "num_blocks": len(self.blocks)}
+                **({} if self.in_order else {"num_blocks": len(self.blocks)})}  # a Ray stream's grows
 
 

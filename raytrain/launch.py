@@ -65,28 +65,33 @@ def run_distributed(trainer, resume_from_checkpoint=None) -> TrainOutput:
         failure_config=FailureConfig(max_failures=scaling.max_failures),
         checkpoint_config=CheckpointConfig(num_to_keep=args.save_total_limit),
     )
-    # ray.data Datasets run once here, before the workers hold the CPUs; workers get the blocks.
-    blocks = blocks_for_workers(trainer)
+    scaling_config = ScalingConfig(num_workers=scaling.num_workers, use_gpu=scaling.use_gpu,
+                                   resources_per_worker=scaling.resources_per_worker,
+                                   placement_strategy=scaling.placement_strategy)
+    # ray.data Datasets: Ray Data runs beside training where CPUs allow (else first); workers get the blocks.
+    blocks = blocks_for_workers(trainer, scaling_config)
     view = copy.copy(trainer)
     for key in blocks:
         setattr(view, key, None)
-    with _driver_progress(trainer) as feed:
-        torch_trainer = TorchTrainer(
-            _ray_worker.train_loop_per_worker,
-            train_loop_config={"trainer": _ray_worker.pickle_trainer(view, worker_args), "datasets": blocks,
-                               "resume_from_checkpoint": resume_from_checkpoint,
-                               "run": f"{name}-{os.urandom(4).hex()}", "progress": feed},
-            scaling_config=ScalingConfig(num_workers=scaling.num_workers, use_gpu=scaling.use_gpu,
-                                         resources_per_worker=scaling.resources_per_worker,
-                                         placement_strategy=scaling.placement_strategy),
-            run_config=run_config,
-            torch_config=_RaytrainTorchConfig(),
-        )
-        try:
-            with _sigint_restored():
-                result = torch_trainer.fit()
-        except Exception as e:
-            raise _worker_error(e) from e
+    try:
+        with _driver_progress(trainer) as feed:
+            torch_trainer = TorchTrainer(
+                _ray_worker.train_loop_per_worker,
+                train_loop_config={"trainer": _ray_worker.pickle_trainer(view, worker_args), "datasets": blocks,
+                                   "resume_from_checkpoint": resume_from_checkpoint,
+                                   "run": f"{name}-{os.urandom(4).hex()}", "progress": feed},
+                scaling_config=scaling_config,
+                run_config=run_config,
+                torch_config=_RaytrainTorchConfig(),
+            )
+            try:
+                with _sigint_restored():
+                    result = torch_trainer.fit()
+            except Exception as e:
+                raise _worker_error(e) from e
+    finally:
+        for stream in blocks.values():  # Ray Data stops if it still runs; the blocks are let go
+            stream.close()
     return _apply_result(trainer, result.return_value)
 
 
