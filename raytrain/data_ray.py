@@ -150,8 +150,7 @@ class RayBlocks:
             self._rows += n
         if error:
             raise DataError(error)
-        if done and not entries:
-            self.complete = True
+        self.complete = done  # every entry published is taken above
 
     def wait_rows(self, rows: int) -> None:
         """Until the published blocks hold at least `rows` rows (in output order), or the stream ended."""

@@ -43,6 +43,10 @@ def featurize_ids(batch):
             "labels": ids_ % 2, "pid": np.full(len(ids_), os.getpid())}
 
 
+def featurize_range(batch):
+    """featurize_ids for ray.data.range (its column is "id")."""
+    return featurize_ids({"idx": batch["id"]})
+
 
 class Recorder(nn.Module):
     """Records the sample ids of every training batch it sees."""

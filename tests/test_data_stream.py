@@ -20,6 +20,7 @@ from raytrain.data import DataError, build_source
 from raytrain.data_stream import StreamSource
 from tests.strategies._helpers import state_digest
 from tests.data_helpers import IdLog, Recorder, featurize_ids as _featurize
+from tests.data_helpers import featurize_range as _featurize_ids
 from tests.test_data import columns, ids, write_parquet
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,7 +65,12 @@ def _epochs(data, seed: int, world_size: int = 2, epochs: int = 2, batch_size: i
 def test_two_ranks_cover_each_epoch_once_in_a_seeded_order(ray_cluster, tmp_path):
     parquet = Files(write_parquet(tmp_path / "pq", columns(), files=8, row_group=5), stream=True, buffer_bytes=400)
     assert len(os.listdir(tmp_path / "pq")) == 8
-    for data, n in ((parquet, 103), (RayData(_ray_items(90), buffer_bytes=400), 90)):
+    first = RayData(_ray_items(90), buffer_bytes=400)  # map_batches: Ray cannot count it, executed first
+    beside = RayData(_ray_items(90), buffer_bytes=400, num_rows=90)  # streamed while it is read
+    assert build_source(first, 4).reader.complete and not build_source(beside, 4).reader.complete
+    # the same order whichever way Ray Data ran: a resumed run may take the other way
+    assert _epochs(beside, seed=3, world_size=3) == _epochs(first, seed=3, world_size=3)
+    for data, n in ((parquet, 103), (first, 90)):
         runs = _epochs(data, seed=3)
         for per_rank in runs:
             assert len(per_rank[0]) == len(per_rank[1])  # equal step counts
@@ -74,6 +80,43 @@ def test_two_ranks_cover_each_epoch_once_in_a_seeded_order(ray_cluster, tmp_path
         assert runs[0] != runs[1]  # a new order each epoch
         assert _epochs(data, seed=3) == runs  # identical on a re-run
         assert _epochs(data, seed=4) != runs  # and different with another seed
+
+
+def test_ray_data_streams_beside_the_reader_and_falls_back_in_one_line(ray_cluster, tmp_path, caplog):
+    """Blocks after the first are held back by the stage until a file exists: batches of the first block
+    arrive before Ray Data has produced the rest (it runs beside, not before), and the epoch completes once
+    they come. A known count with too few spare CPUs, or an unknown count, executes first, said in one line."""
+    import logging
+
+    import ray.data
+
+    from raytrain.data_ray import start
+    gate = tmp_path / "go"
+
+    def held(batch):
+        while batch["id"][0] >= 20 and not gate.exists():
+            time.sleep(0.05)
+        return batch
+    ds = ray.data.range(100, override_num_blocks=5).map_batches(held, batch_format="numpy")
+    source = build_source(RayData(ds, buffer_bytes=160, num_rows=100), 4, seed=0, shuffle=False)
+    assert source.window_rows == 20  # 8-byte rows: the first window is the first block
+    batches = source.iter_batches(0)
+    head = [next(batches)["id"].tolist() for _ in range(5)]
+    assert head == [[i, i + 1, i + 2, i + 3] for i in range(0, 20, 4)] and not source.reader.complete
+    gate.write_text("")
+    assert [i for b in head for i in b] + [i for b in batches for i in b["id"].tolist()] == list(range(100))
+    assert len(next(source.iter_batches(1))["id"]) == 4  # epoch 1 permutes all blocks: it waits for the end
+    assert source.reader.complete and len(source.blocks) == 5
+    with caplog.at_level(logging.INFO, logger="raytrain.data_ray"):
+        assert start(ray.data.range(10).map_batches(_featurize_ids), "train_dataset", spare_cpus=8).complete
+        assert start(ray.data.range(10), "train_dataset", spare_cpus=0.5).complete
+        assert not start(ray.data.from_items([{"idx": 1}]), "train_dataset", spare_cpus=0).complete  # no task
+    lines = [r.getMessage() for r in caplog.records if r.name == "raytrain.data_ray"]
+    assert len(lines) == 2 and all("\n" not in ln for ln in lines)
+    assert lines[0].startswith("train_dataset: Ray Data executes it in full before training: Ray cannot count "
+                               "its rows without running it (MapBatches(featurize_range) may change the row count)")
+    assert "its stage ReadRange needs 1 CPU(s) and the cluster has 0.5 beside the training workers; give it 0.5 " \
+           "more CPU(s)" in lines[1]
 
 
 def test_map_batches_runs_in_a_ray_process_not_the_trainers(ray_cluster):
@@ -205,7 +248,7 @@ def test_a_worker_sigkilled_mid_epoch_resumes_bit_exact_with_exact_passes(ray_cl
                                  save_steps=5, logging_steps=5, seed=0, disable_tqdm=True, report_to="none",
                                  scaling={"num_workers": 2, "storage_path": str(tmp_path / "ray"), **kw},
                                  distributed={"strategy": "ddp"})
-    data = RayData(_ray_items(90), buffer_bytes=400)
+    data = RayData(_ray_items(90), buffer_bytes=400, num_rows=90)  # streamed beside training (4 CPUs, 2 workers)
     reference = Trainer(Recorder(), args(tmp_path / "ref"), train_dataset=data, callbacks=[IdLog()])
     reference.train()
 
