@@ -8,7 +8,9 @@ files, read in one process through:
   torch_files     DataLoader over an IterableDataset reading the files with pyarrow: the reference
   torch_map       DataLoader(TensorDataset(rows in memory), shuffle=True)
   ray_data        ray.data.read_parquet(...).iter_torch_batches(batch_size=256, prefetch_batches=4)
-  raytrain_ray    build_source(ray.data.read_parquet(...)): Ray Data runs the plan, the rank streams its blocks
+  raytrain_ray    build_source(ray.data.read_parquet(...)): Ray Data runs beside the reader (row count from the
+                  footers), the rank reads each window once its blocks exist
+  raytrain_ray_1st  the same executed in full first (the path when the count or the CPUs are missing)
   raytrain_files  build_source(Files(..., stream=True)): row groups, windowed shuffle
 rows/s start to finish and after the first batch, as ratios to torch_files; the time to the first batch
 (Ray Data's start-up) is printed on its own.
@@ -84,6 +86,7 @@ class ParquetRows(torch.utils.data.IterableDataset):
 def part1(rows: int) -> None:
     import ray.data
     from raytrain.data import Files, build_source
+    from raytrain.data_ray import execute
     with tempfile.TemporaryDirectory() as d:
         write_files(d, rows)
         mem = read_all(d)
@@ -98,6 +101,8 @@ def part1(rows: int) -> None:
             "torch_map": torch_map,
             "ray_data": lambda: ray.data.read_parquet(d).iter_torch_batches(batch_size=BATCH, prefetch_batches=4),
             "raytrain_ray": lambda: build_source(ray.data.read_parquet(d), BATCH, seed=0).iter_batches(0),
+            "raytrain_ray_1st": lambda: build_source(execute(ray.data.read_parquet(d)), BATCH,
+                                                     seed=0).iter_batches(0),
             "raytrain_files": lambda: build_source(Files(d, stream=True, buffer_bytes=32 << 20), BATCH,
                                                    seed=0).iter_batches(0),
         }

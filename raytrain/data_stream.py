@@ -148,7 +148,10 @@ class StreamSource:
         return lo, lo + whi - wlo
 
     def _load_window(self, epoch: int, k: int):
-        """Window k's rows as read, in parts (one per block it touches), and its permutation."""
+        """Window k's rows as read, in parts (one per block it touches), and its permutation. It starts by
+        handing the window freed before it was asked for back to the OS, here rather than on the training
+        thread: malloc_trim walks the heap (milliseconds, a wait at every window switch otherwise)."""
+        _trim()
         wlo, whi = self._window_range(k)
         glo, ghi = self._stream_span(k)  # positions in the epoch's stream
         self._wait(epoch, ghi)
@@ -214,7 +217,6 @@ class StreamSource:
             k = lo // self.window_rows
             if k != cur_k:
                 current = None  # free this window before the next is joined and the one after is loaded
-                _trim()
                 current, cur_k = self._window(epoch, k), k
             wlo, perm = current[0], current[2]  # no other name may hold the window past its switch
             local = np.arange(lo - wlo, hi - wlo)

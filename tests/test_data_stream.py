@@ -133,6 +133,7 @@ import gc, json, os, sys
 import numpy as np, ray, ray.data
 from raytrain.data import build_source
 from raytrain.data_ray import RayData
+from raytrain.data_stream import _trim
 
 def private():  # resident anonymous memory: what this process holds itself (object-store pages are shared)
     with open("/proc/self/status") as f:
@@ -146,32 +147,37 @@ def feat(b):
     return {"idx": b["id"], "x": np.repeat(b["id"][:, None].astype(np.float32), width, 1)}
 ds = ray.data.range(rows, override_num_blocks=20).map_batches(feat, batch_format="numpy")
 source = build_source(RayData(ds, buffer_bytes=window), 256, seed=0, rank=0, world_size=world_size)
-gc.collect()
-base, peak, total, count = private(), 0, 0, 0
-for batch in source.iter_batches(0):
-    total += int(batch["idx"].sum()); count += len(batch["idx"])
-    peak = max(peak, private() - base)
-print("RESULT " + json.dumps({"peak": peak, "count": count, "total": total, "rows": rows,
+peaks, counts, totals = [], [], []
+for epoch in range(4):  # epoch 0 warms up (thread arenas, Arrow's pool, Ray's buffers); 1-3 are measured
+    gc.collect(); _trim()
+    base, peak, total, count = private(), 0, 0, 0
+    for batch in source.iter_batches(epoch):
+        total += int(batch["idx"].sum()); count += len(batch["idx"])
+        peak = max(peak, private() - base)
+    peaks.append(peak); counts.append(count); totals.append(total)
+print("RESULT " + json.dumps({"peaks": peaks, "counts": counts, "totals": totals, "rows": rows,
                               "nbytes": source.reader.nbytes}))
 """
 
 
 @pytest.mark.timeout(300)
 def test_worker_memory_stays_within_two_windows_whatever_the_workers(ray_cluster):
-    """A Ray dataset 10x the 4 MiB window, read by rank 0 of 1 and of 2 workers, each in a fresh process:
-    its private resident memory grows by less than 2 windows, and it reads exactly its share."""
+    """A Ray dataset 10x the 4 MiB window, read by rank 0 of 1 and of 2 workers, each in a fresh process: the
+    private resident memory that streaming adds (after a warm-up epoch, from a collected start; the median
+    of 3 epochs, so that a busy machine's one late free does not decide) stays under 2 windows, and it
+    reads exactly its share each epoch."""
     import ray
     window = 4 << 20
     address = ray.get_runtime_context().gcs_address
-    peaks = {}
+    growth = {}
     for world_size in (1, 2):
         r = json.loads(_run([sys.executable, "-c", MEMORY_PROBE, address, str(window), str(world_size)], 240))
-        assert r["nbytes"] > 10 * window and r["count"] == r["rows"] // world_size
+        assert r["nbytes"] > 10 * window and set(r["counts"]) == {r["rows"] // world_size}
         if world_size == 1:
-            assert r["total"] == r["rows"] * (r["rows"] - 1) // 2
-        peaks[world_size] = r["peak"]
-        assert r["peak"] < 2 * window, r
-    assert abs(peaks[1] - peaks[2]) < window  # independent of the number of workers
+            assert set(r["totals"]) == {r["rows"] * (r["rows"] - 1) // 2}
+        growth[world_size] = sorted(r["peaks"][1:])[1]
+        assert growth[world_size] < 2 * window, r
+    assert abs(growth[1] - growth[2]) < window, growth  # independent of the number of workers
 
 
 # ---------------------------------------------------------------- bad input
