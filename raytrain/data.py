@@ -199,7 +199,7 @@ def _timed(source, batches: Iterator, prefetch: int) -> Iterator:
                 except StopIteration:
                     return
                 finally:
-                    source.wait_s += time.perf_counter() - t0
+                    _waited(source, time.perf_counter() - t0)
                 yield item
         finally:
             _close(batches)
@@ -232,7 +232,7 @@ def _timed(source, batches: Iterator, prefetch: int) -> Iterator:
         while True:
             t0 = time.perf_counter()
             kind, item = q.get()
-            source.wait_s += time.perf_counter() - t0
+            _waited(source, time.perf_counter() - t0)
             if kind == "end":
                 return
             if kind == "error":
@@ -241,6 +241,13 @@ def _timed(source, batches: Iterator, prefetch: int) -> Iterator:
     finally:
         stop.set()
         thread.join(timeout=5)
+
+
+def _waited(source, seconds: float) -> None:
+    """Add to the source's wait; the first batch's (start-up: files opened, Ray Data started) also apart."""
+    source.wait_s += seconds
+    if getattr(source, "first_wait_s", None) is None:
+        source.first_wait_s = seconds
 
 
 def _close(gen) -> None:

@@ -34,6 +34,10 @@ from .data_files import _apply, _concat, table_to_numpy
 DATA_TIMEOUT_ENV = "RAYTRAIN_DATA_TIMEOUT_S"
 
 
+#: Windows from this size on are handed back to the OS when let go (smaller ones are noise in a process).
+TRIM_BYTES = 4 << 20
+
+
 def _trim() -> None:
     """Hand freed memory back to the OS at a window switch (allocators keep a freed window resident)."""
     global _malloc_trim
@@ -92,6 +96,11 @@ class StreamSource:
         row_bytes = max(1, nbytes // self.num_samples)
         self.buffer_rows = max(1, buffer_bytes // row_bytes)  # from the data and settings: same on resume
         self.window_rows = max(1, self.buffer_rows // batch_size) * batch_size
+        # Data within one window is converted once and kept (two windows at most): the epochs of a small
+        # dataset then cost a join, not a fetch and conversion each (a wait when steps take milliseconds).
+        self.small, self._cache = self.num_samples <= self.buffer_rows, {}
+        # malloc_trim walks the heap (milliseconds on the training thread): worth it for windows that matter
+        self.trim = self.window_rows * row_bytes >= TRIM_BYTES
         # Windows by the batches' first rows (the last batch may be one row longer): the last may be short.
         self.num_windows = (self._num_batches - 1) * batch_size // self.window_rows + 1
         self._ahead = None  # ((epoch, k), Future): the window being loaded next
@@ -148,10 +157,7 @@ class StreamSource:
         return lo, lo + whi - wlo
 
     def _load_window(self, epoch: int, k: int):
-        """Window k's rows as read, in parts (one per block it touches), and its permutation. It starts by
-        handing the window freed before it was asked for back to the OS, here rather than on the training
-        thread: malloc_trim walks the heap (milliseconds, a wait at every window switch otherwise)."""
-        _trim()
+        """Window k's rows as read, in parts (one per block it touches), and its permutation."""
         wlo, whi = self._window_range(k)
         glo, ghi = self._stream_span(k)  # positions in the epoch's stream
         self._wait(epoch, ghi)
@@ -163,7 +169,9 @@ class StreamSource:
             pieces.append((self.blocks[order[j]], max(glo, starts[j]) - starts[j], min(ghi, starts[j + 1]) - starts[j]))
             j += 1
         many = getattr(self.reader, "read_many", None)  # Ray: one fetch, one Arrow table (converted by _window)
-        if many is not None:
+        if self.small:  # all data fits one window: each block converted once, windows joined here from them
+            parts = [_concat([{c: v[lo:hi] for c, v in self._cached(blk).items()} for blk, lo, hi in pieces])]
+        elif many is not None:
             parts = many(pieces)
             if self.num_windows == 1 and whi - wlo < self.window_rows:  # small data: convert off the training thread
                 parts = [self._process(table_to_numpy(p, self.name, self.where), None) for p in parts]
@@ -217,6 +225,8 @@ class StreamSource:
             k = lo // self.window_rows
             if k != cur_k:
                 current = None  # free this window before the next is joined and the one after is loaded
+                if self.trim:  # before the join: trimmed later, the freed window stays resident beside the new
+                    _trim()
                 current, cur_k = self._window(epoch, k), k
             wlo, perm = current[0], current[2]  # no other name may hold the window past its switch
             local = np.arange(lo - wlo, hi - wlo)
@@ -224,6 +234,12 @@ class StreamSource:
             yield self._assemble({name: v[idx] for name, v in current[1].items()})
 
     # -- reading
+    def _cached(self, blk) -> dict[str, np.ndarray]:
+        cols = self._cache.get(blk)
+        if cols is None:
+            cols = self._cache[blk] = self._read(blk, 0, blk.num_rows)
+        return cols
+
     def _read(self, blk, lo: int, hi: int) -> dict[str, np.ndarray]:
         return self._process(self.reader.read(blk, lo, hi), blk)
 

@@ -234,9 +234,16 @@ def _check_data_compat(run: _Run, saved: dict, path: str) -> None:
         global_now = data.batch_size * data.world_size
         saved["next_batch"] = consumed // global_now
         again = consumed - saved["next_batch"] * global_now
-        logger.warning("%s: resuming with %s: epoch %d continues at sample %d of the same order%s", path,
+        logger.warning("%s: resuming with %s: epoch %d continues at sample %d of the same order%s%s", path,
                        "; ".join(mapped), saved["epoch"], consumed,
-                       f" ({again} samples of the last partial global batch are seen again)" if again else "")
+                       f" ({again} samples of the last partial global batch are seen again)" if again else "",
+                       _STREAM_REMAP if data.state().get("kind") == "stream" else "")
+
+
+# A stream's windows are cut per rank and batch size (data_stream.py): the position maps, the set does not.
+_STREAM_REMAP = ("; a stream's shuffle windows depend on the world and batch size, so the rest of this epoch "
+                 "is the new layout's from that position: some of its samples may be seen twice and others "
+                 "not at all (later epochs are whole passes)")
 
 
 def _read_json(path: str) -> dict:

@@ -231,6 +231,28 @@ def test_csv_and_json_stream_in_bounded_windows_and_resume_exactly(tmp_path, fmt
     assert next(iter(source.iter_batches(0)))["x"].dtype == torch.float64
 
 
+def test_a_stream_resumed_with_another_global_batch_maps_the_position_by_samples_consumed(tmp_path, caplog):
+    """World size and batch size enter the position the same way (samples = batch x batch size x world
+    size), so a changed batch size (in-process, no Ray) checks the mapping a changed world size gets: 5 steps
+    of 4 -> the new layout's batch 10 of 2, with the in-memory warning plus what a stream cannot keep."""
+    import logging
+
+    spec = Files(write_parquet(tmp_path / "pq", columns(), files=2, row_group=10), stream=True, buffer_bytes=400)
+
+    def args(bs, steps):
+        return TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=steps, per_device_train_batch_size=bs,
+                                 save_steps=5, seed=0, disable_tqdm=True, report_to="none")
+    Trainer(Recorder(4), args(4, 5), train_dataset=spec).train()
+    resumed = Trainer(Recorder(4), args(2, 8), train_dataset=spec)
+    with caplog.at_level(logging.WARNING, logger="raytrain.loop"):
+        resumed.train(resume_from_checkpoint=True)
+    msg = next(r.getMessage() for r in caplog.records if "continues at sample" in r.getMessage())
+    assert "batch_size 4 -> 2" in msg and "epoch 0 continues at sample 20 of the same order" in msg
+    assert "a stream's shuffle windows depend on the world and batch size" in msg
+    expected = ids(build_source(spec, 2, seed=0).iter_batches(0, 10))
+    assert resumed.model.seen == expected[:3] and resumed.state.global_step == 8
+
+
 # ---------------------------------------------------------------- SIGKILL from outside
 
 
