@@ -24,12 +24,66 @@ _COMPRESSED = (".gz", ".bz2", ".zst", ".lz4")
 # ---------------------------------------------------------------- listing
 
 
+def _fs(uri: str):
+    """(pyarrow filesystem, its path) of a URI (s3://, gs://, hdfs://, file://): what pyarrow accepts."""
+    import pyarrow as pa
+    import pyarrow.fs as pafs
+    try:
+        return pafs.FileSystem.from_uri(uri)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError, OSError) as e:
+        raise DataFileNotFoundError(f"{uri}: pyarrow cannot open this URI ({str(e).splitlines()[0]})") from None
+
+
+def _source(path: str, random_access: bool = True):
+    """What pyarrow's readers take: a local path as it is, a URI as a file opened through pyarrow.fs."""
+    if "://" not in path:
+        return path
+    fs, inner = _fs(path)
+    return fs.open_input_file(inner) if random_access else fs.open_input_stream(inner, compression="detect")
+
+
+def _size(path: str) -> int:
+    if "://" not in path:
+        return os.path.getsize(path)
+    fs, inner = _fs(path)
+    return fs.get_file_info(inner).size or 0
+
+
+def _list_uri(uri: str, name: str) -> list[str]:
+    """A URI's files: the file, a directory's data files (recursively), or a glob's matches in its folder."""
+    import fnmatch
+
+    import pyarrow.fs as pafs
+    fs, inner = _fs(uri)
+    scheme = uri[:uri.index("://") + 3]
+    if glob.has_magic(inner):
+        folder = inner[:inner.rfind("/", 0, min(inner.find(c) for c in "*?[" if c in inner))]
+        infos = fs.get_file_info(pafs.FileSelector(folder, recursive="**" in inner, allow_not_found=True))
+        found = sorted(scheme + i.path for i in infos if i.type == pafs.FileType.File and fnmatch.fnmatch(i.path, inner))
+        if not found:
+            raise DataFileNotFoundError(f"{name}: no files match {uri!r}")
+        return found
+    info = fs.get_file_info(inner)
+    if info.type == pafs.FileType.File:
+        return [uri]
+    if info.type != pafs.FileType.Directory:
+        raise DataFileNotFoundError(f"{name}: no such file or directory: {uri!r}")
+    found = sorted(scheme + i.path for i in fs.get_file_info(pafs.FileSelector(inner, recursive=True))
+                   if i.type == pafs.FileType.File and not i.base_name.startswith((".", "_")) and _format_of(i.path))
+    if not found:
+        raise DataFileNotFoundError(f"{name}: directory {uri!r} holds no Parquet, CSV or JSON-lines files")
+    return found
+
+
 def list_files(spec: Files, name: str) -> tuple[list[str], str]:
-    """The files of `spec.path`, sorted, and their one format; a missing path is a one-line error."""
+    """The files of `spec.path`, sorted, and their one format; a missing path is a one-line error. URIs
+    (s3://, gs://, file://, ...) are listed and read through pyarrow.fs."""
     paths = [spec.path] if isinstance(spec.path, str) else list(spec.path)
     files: list[str] = []
     for p in map(os.path.expanduser, paths):
-        if glob.has_magic(p):
+        if "://" in p:
+            found = _list_uri(p, name)
+        elif glob.has_magic(p):
             found = sorted(f for f in glob.glob(p, recursive=True) if os.path.isfile(f))
             if not found:
                 raise DataFileNotFoundError(f"{name}: no files match {p!r}")
@@ -162,14 +216,14 @@ def _read_table(path: str, fmt: str, columns: list[str] | None, name: str):
     try:
         if fmt == "parquet":
             import pyarrow.parquet as pq
-            return pq.read_table(path, columns=columns)
+            return pq.read_table(_source(path), columns=columns)
         if fmt == "csv":
             import pyarrow.csv as pcsv
             parse = pcsv.ParseOptions(delimiter="\t") if path.lower().endswith(".tsv") else None
-            table = pcsv.read_csv(path, parse_options=parse)
+            table = pcsv.read_csv(_source(path, False), parse_options=parse)
         else:
             import pyarrow.json as pjson
-            table = pjson.read_json(path)
+            table = pjson.read_json(_source(path, False))
     except (pa.ArrowInvalid, OSError) as e:
         raise DataError(f"{name}: {path}: not readable as {fmt} ({str(e).splitlines()[0]})") from None
     return table.select([c for c in table.column_names if c in columns]) if columns is not None else table
@@ -191,7 +245,7 @@ def parquet_blocks(files: list[str], name: str, columns: list[str] | None):
     blocks, names, first, nbytes = [], None, None, 0
     for f in files:
         try:
-            meta, schema = pq.read_metadata(f), pq.read_schema(f)
+            meta, schema = pq.read_metadata(_source(f)), pq.read_schema(_source(f))
         except (pa.ArrowInvalid, OSError) as e:
             raise DataError(f"{name}: {f}: not a readable Parquet file ({str(e).splitlines()[0]})") from None
         _register_extension_types(schema)
@@ -254,7 +308,7 @@ class ParquetReader:
         if pf is None:
             if len(self._files) >= 8:
                 self._files.pop(next(iter(self._files)))
-            pf = self._files[path] = pq.ParquetFile(path, pre_buffer=False)
+            pf = self._files[path] = pq.ParquetFile(_source(path), pre_buffer=False)
         return pf
 
     def read(self, blk: Block, lo: int, hi: int) -> dict[str, np.ndarray]:
@@ -295,7 +349,7 @@ class TextReader:
             if n:
                 self.blocks.append(FileBlock(f, n))
         self.schema = first
-        self.nbytes = sum(os.path.getsize(b.path) for b in self.blocks)
+        self.nbytes = sum(_size(b.path) for b in self.blocks)
 
     def describe(self, blk: FileBlock) -> str:
         return blk.path
@@ -307,10 +361,10 @@ class TextReader:
                 import pyarrow.csv as pcsv
                 parse = pcsv.ParseOptions(delimiter="\t") if path.lower().endswith(".tsv") else None
                 convert = pcsv.ConvertOptions(column_types=self.schema) if getattr(self, "schema", None) else None
-                return pcsv.open_csv(path, parse_options=parse, convert_options=convert)
+                return pcsv.open_csv(_source(path, False), parse_options=parse, convert_options=convert)
             import pyarrow.json as pjson
             explicit = getattr(self, "schema", None)
-            return pjson.open_json(path, parse_options=pjson.ParseOptions(explicit_schema=explicit)
+            return pjson.open_json(_source(path, False), parse_options=pjson.ParseOptions(explicit_schema=explicit)
                                    if explicit is not None else None)
         except (pa.ArrowInvalid, OSError) as e:
             raise DataError(f"{self.name}: {path}: not readable as {self.fmt} ({str(e).splitlines()[0]})") from None
@@ -344,7 +398,7 @@ def files_source(spec: Files, batch_size: int, *, columns: list[str] | None, pre
     read_cols = None if spec.preprocess is not None else columns
     pf = spec.prefetch_batches if prefetch_batches is None else prefetch_batches
     if fmt != "parquet":
-        size = sum(os.path.getsize(f) for f in files)
+        size = sum(_size(f) for f in files)
         if not (spec.stream or (spec.stream is None and size > spec.in_memory_bytes)):
             tables = [_read_table(f, fmt, None, name) for f in files]
             return _in_memory(tables, files, spec, batch_size, prefetch_batches, name, where, **kw)

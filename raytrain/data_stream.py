@@ -1,14 +1,18 @@
 """StreamSource: one streaming design for every input larger than memory (files, Ray Data blocks).
 
-A stream is a list of *blocks* whose row counts are known up front (Parquet row groups from file
-footers, CSV/JSON files from one counting pass, Ray Data blocks from their metadata), and a reader
-that returns rows [lo, hi) of one block. An epoch of one rank:
+A stream is a list of *blocks* with row counts (Parquet row groups from file footers, CSV/JSON files
+from one counting pass, Ray Data blocks as Ray Data publishes them, their total known up front), and
+a reader that returns rows [lo, hi) of one block. An epoch of one rank:
 
 - order: the blocks in a seeded permutation of (seed, epoch), concatenated into one stream of rows;
-- share: rank r takes one contiguous range of that stream, as many rows as the sharding rule gives it
-  (data.plan_epoch / rank_span: every rank the same number of batches, the same batch sizes as for
-  in-memory data), so each rank reads only its own blocks (plus at most two it shares with a neighbour);
-- shuffle: the range is cut into windows of `window_rows` (a multiple of the batch size, from
+  for Ray Data (`reader.arrives_in_order`), epoch 0 takes the blocks in output order, so that it can
+  be read while Ray Data still produces it (later epochs wait for all blocks and permute them);
+- share: each rank takes as many rows as the sharding rule gives it (data.plan_epoch / rank_span:
+  every rank the same number of batches, the same batch sizes as for in-memory data): files as one
+  contiguous range of the stream (each rank reads only its own blocks, plus at most two it shares
+  with a neighbour); Ray Data as interleaved windows (rank r the r-th window of each group of
+  world_size), so that all ranks advance along the stream together;
+- shuffle: a rank's rows are cut into windows of `window_rows` (a multiple of the batch size, from
   `buffer_bytes`), each permuted by its own seed (seed, epoch, rank, window).
 
 So a rank's order depends only on (seed, epoch, rank, world size); the window of any batch is found

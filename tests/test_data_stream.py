@@ -253,6 +253,23 @@ def test_a_stream_resumed_with_another_global_batch_maps_the_position_by_samples
     assert resumed.model.seen == expected[:3] and resumed.state.global_step == 8
 
 
+def test_file_uris_read_through_pyarrow_fs_as_local_paths_do(tmp_path):
+    """A URI (here file://; s3:// and gs:// alike) of a directory, a glob and a file: listed and read through
+    pyarrow.fs, streamed or in memory, the same batches as the local path; a missing one is one line."""
+    from raytrain.data import DataFileNotFoundError
+    d = write_parquet(tmp_path / "pq", columns(), files=3, row_group=10)
+    uri = "file://" + d
+    for local, remote in ((d, uri), (os.path.join(d, "*.parquet"), uri + "/*.parquet")):
+        for stream in (True, False):
+            a, b = (build_source(Files(p, stream=stream, buffer_bytes=400), 4, seed=2) for p in (local, remote))
+            assert ids(a.iter_batches(0)) == ids(b.iter_batches(0)) and b.num_samples == 103
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"idx": i, "x": i / 2}) + "\n" for i in range(9)))
+    got = build_source(Files("file://" + str(tmp_path / "a.jsonl"), stream=True, buffer_bytes=64), 3, seed=0)
+    assert sorted(i for b in ids(got.iter_batches(0)) for i in b) == list(range(9))
+    with pytest.raises(DataFileNotFoundError, match=r"^train_dataset: no such file or directory: 'file:///nowhere/x'$"):
+        build_source(Files("file:///nowhere/x"), 4, name="train_dataset")
+
+
 # ---------------------------------------------------------------- SIGKILL from outside
 
 
