@@ -183,6 +183,14 @@ class RayBlocks:
         from .data_files import table_to_numpy
         return table_to_numpy(self.read_many([(blk, lo, hi)])[0], self.name, self.describe(blk))
 
+    def tables(self, blocks: list[RayBlock]) -> list:
+        """Each block's rows as an Arrow table (zero-copy views of the object store), in one ray.get."""
+        import pyarrow as pa
+        import ray
+        return [(t if isinstance(t, pa.Table) else pa.Table.from_pandas(t, preserve_index=False)).slice(b.start,
+                                                                                                    b.num_rows)
+                for b, t in zip(blocks, ray.get([b.ref for b in blocks]))]
+
     def read_many(self, pieces: list[tuple[RayBlock, int, int]]) -> list:
         """Rows [lo, hi) of each block, fetched in one ray.get, as one Arrow table of zero-copy views of the
         object store: StreamSource converts it once, after the previous window was let go."""

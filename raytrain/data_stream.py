@@ -174,6 +174,7 @@ class StreamSource:
             j += 1
         many = getattr(self.reader, "read_many", None)  # Ray: one fetch, one Arrow table (converted by _window)
         if self.small:  # all data fits one window: each block converted once, windows joined here from them
+            self._fill([p[0] for p in pieces])
             parts = [_concat([{c: v[lo:hi] for c, v in self._cached(blk).items()} for blk, lo, hi in pieces])]
         elif many is not None:
             parts = many(pieces)
@@ -239,10 +240,18 @@ class StreamSource:
 
     # -- reading
     def _cached(self, blk) -> dict[str, np.ndarray]:
-        cols = self._cache.get(blk)
-        if cols is None:
-            cols = self._cache[blk] = self._read(blk, 0, blk.num_rows)
-        return cols
+        return self._cache[blk]
+
+    def _fill(self, blocks: list) -> None:
+        """Convert the blocks not yet kept (small data): Ray's in one fetch, not one round trip each."""
+        missing = [b for b in dict.fromkeys(blocks) if b not in self._cache]
+        tables = getattr(self.reader, "tables", None)
+        if tables is not None and missing:
+            for blk, table in zip(missing, tables(missing)):
+                self._cache[blk] = self._process(table_to_numpy(table, self.name, self.reader.describe(blk)), blk)
+        for blk in missing:
+            if blk not in self._cache:
+                self._cache[blk] = self._read(blk, 0, blk.num_rows)
 
     def _read(self, blk, lo: int, hi: int) -> dict[str, np.ndarray]:
         return self._process(self.reader.read(blk, lo, hi), blk)
