@@ -1,7 +1,7 @@
 """Data ingest: raytrain's streams (Ray Data and Parquet files) against a torch DataLoader over the same
 Parquet files; resume cost; data wait share of step time; worker memory against dataset size.
 
-    python benchmarks/ingest.py [--rows 1000000] [--steps 200] [--threads 1] [--part all|ingest|resume|memory|wait]
+    python benchmarks/ingest.py [--rows 1000000] [--steps 200] [--threads 1] [--part all|ingest|beside|resume|memory|wait]
 
 ingest: `rows` rows (a 64-float32 tensor column in Ray's tensor type, and an int64 label) as 8 Parquet
 files, read in one process through:
@@ -14,6 +14,7 @@ files, read in one process through:
   raytrain_files  build_source(Files(..., stream=True)): row groups, windowed shuffle
 rows/s start to finish and after the first batch, as ratios to torch_files; the time to the first batch
 (Ray Data's start-up) is printed on its own.
+beside: a range + map_batches dataset read by one rank, executed in full first vs streamed beside the reader.
 resume: time to the first batch at 90% of an epoch against at its start (raytrain_files, raytrain_ray).
 memory: each in a fresh process, the private resident memory (RssAnon) a rank gains streaming a Ray dataset
 of 1x, 4x and 16x the window, and its whole RSS (which also counts object-store pages it read).
@@ -117,6 +118,30 @@ def part1(rows: int) -> None:
         after = (n - BATCH) / (secs - first)
         print(f"{name:<16}{n / secs:>12,.0f}{n / secs / ref:>8.2f}{after:>12,.0f}{after / ref_after:>8.2f}"
               f"{first:>15.2f}")
+
+
+def _features(batch):
+    """A map_batches stage with some work per row (64 features from the id), as tokenising would have."""
+    ids = batch["id"]
+    x = np.sin(ids[:, None] * np.arange(1, 65, dtype=np.float64)[None, :]).astype(np.float32)
+    return {"x": x, "labels": ids % 10}
+
+
+def part_beside(rows: int) -> None:
+    """ray.data.range(rows, 40 blocks).map_batches(features) read by one rank: executed in full first
+    (what a map_batches stage gets without num_rows) against beside the reader (RayData(num_rows=rows))."""
+    import ray.data
+    from raytrain.data import build_source
+    from raytrain.data_ray import RayData
+    make = lambda: ray.data.range(rows, override_num_blocks=40).map_batches(_features)  # noqa: E731
+    cases = {"executed first": lambda: build_source(RayData(make()), BATCH, seed=0).iter_batches(0),
+             "beside": lambda: build_source(RayData(make(), num_rows=rows), BATCH, seed=0).iter_batches(0)}
+    ray.data.range(1000, override_num_blocks=4).map_batches(_features).materialize()  # warm Ray's workers
+    print(f"\n== Ray Data with a map_batches stage, {rows} rows in 40 blocks, one rank: executed first vs beside")
+    print(f"{'path':<16}{'first batch s':>15}{'total s':>10}{'rows/s':>12}")
+    for name, fn in cases.items():
+        n, secs, first = timed(fn)
+        print(f"{name:<16}{first:>15.2f}{secs:>10.2f}{n / secs:>12,.0f}")
 
 
 def part_resume(rows: int) -> None:
@@ -242,7 +267,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=1_000_000)
     p.add_argument("--steps", type=int, default=200, help="char-GPT steps; digits runs 5x as many")
     p.add_argument("--threads", type=int, default=1, help="torch threads (1: fastest on a busy 2-core machine)")
-    p.add_argument("--part", choices=["all", "ingest", "resume", "memory", "wait"], default="all")
+    p.add_argument("--part", choices=["all", "ingest", "beside", "resume", "memory", "wait"], default="all")
     ns = p.parse_args()
     torch.set_num_threads(ns.threads)
     logging.basicConfig(level=logging.WARNING)
@@ -253,6 +278,8 @@ def main() -> None:
     print(f"load average at start: {os.getloadavg()[0]:.1f}")
     if ns.part in ("all", "ingest"):
         part1(ns.rows)
+    if ns.part in ("all", "beside"):
+        part_beside(ns.rows)
     if ns.part in ("all", "resume"):
         part_resume(ns.rows)
     if ns.part in ("all", "memory"):
