@@ -120,11 +120,16 @@ class RayBlocks:
         self._keep: list = []  # the owner's references while Ray Data publishes (not pickled)
         self.closed = False
         self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # sources of one process (loader threads) may share these blocks
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        state["_keep"], state["_thread"] = [], None
+        state["_keep"], state["_thread"], state["_lock"] = [], None, None
         return state
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
 
     @property
     def num_rows(self) -> int:
@@ -141,16 +146,17 @@ class RayBlocks:
     # -- blocks as they arrive
     def _poll(self) -> None:
         import ray
-        got = self.board.get.remote(len(self.blocks)) if self.remote else self.board.get(len(self.blocks))
-        entries, done, error = ray.get(got) if self.remote else got
-        for ref, start, n, row_bytes in entries:
-            if self.row_bytes is None:
-                self.row_bytes = row_bytes
-            self.blocks.append(RayBlock(ref, start, n, len(self.blocks)))
-            self._rows += n
-        if error:
-            raise DataError(error)
-        self.complete = done  # every entry published is taken above
+        with self._lock:
+            got = self.board.get.remote(len(self.blocks)) if self.remote else self.board.get(len(self.blocks))
+            entries, done, error = ray.get(got) if self.remote else got
+            for ref, start, n, row_bytes in entries:
+                if self.row_bytes is None:
+                    self.row_bytes = row_bytes
+                self.blocks.append(RayBlock(ref, start, n, len(self.blocks)))
+                self._rows += n
+            if error:
+                raise DataError(error)
+            self.complete = done  # every entry published is taken above
 
     def wait_rows(self, rows: int) -> None:
         """Until the published blocks hold at least `rows` rows (in output order), or the stream ended."""

@@ -65,9 +65,12 @@ def _epochs(data, seed: int, world_size: int = 2, epochs: int = 2, batch_size: i
 def test_two_ranks_cover_each_epoch_once_in_a_seeded_order(ray_cluster, tmp_path):
     parquet = Files(write_parquet(tmp_path / "pq", columns(), files=8, row_group=5), stream=True, buffer_bytes=400)
     assert len(os.listdir(tmp_path / "pq")) == 8
-    first = RayData(_ray_items(90), buffer_bytes=400)  # map_batches: Ray cannot count it, executed first
-    beside = RayData(_ray_items(90), buffer_bytes=400, num_rows=90)  # streamed while it is read
-    assert build_source(first, 4).reader.complete and not build_source(beside, 4).reader.complete
+    from raytrain.data_ray import start
+    # map_batches: Ray cannot count it, so it is executed first; with num_rows, streamed while it is read.
+    # Each runs once here; the sources of every rank and run below share its blocks, as workers do.
+    first = start(RayData(_ray_items(90), buffer_bytes=400))
+    beside = start(RayData(_ray_items(90), buffer_bytes=400, num_rows=90))
+    assert first.complete and not beside.complete
     # the same order whichever way Ray Data ran: a resumed run may take the other way
     assert _epochs(beside, seed=3, world_size=3) == _epochs(first, seed=3, world_size=3)
     for data, n in ((parquet, 103), (first, 90)):
