@@ -8,7 +8,8 @@ per rank per epoch), `iter_batches(epoch, start)`, `state()`, `schema`, `num_sam
 - a path, directory, glob or list of them (Parquet, CSV, JSON lines), or `Files(...)`      -> MapSource
   when the data fits `Files.in_memory_bytes` (from file metadata / file sizes), else StreamSource
 - a `ray.data.Dataset` (its `map_batches` stages run as Ray tasks/actors), `RayData(ds, ...)`, or a
-  `ray.data.DataIterator` over a whole dataset: executed once, in order, by Ray Data      -> StreamSource
+  `ray.data.DataIterator` over a whole dataset: run once, in order, by Ray Data, beside
+  training when its row count and spare CPUs allow, else before it (data_ray.py)          -> StreamSource
 
 MapSource (data in memory): an epoch's order is a seeded permutation of all rows (seed, epoch); it is
 cut into global batches of `batch_size * world_size` and rank r takes the r-th of `world_size`
@@ -26,8 +27,9 @@ Resume. The position is (epoch, batch index); `iter_batches(epoch, start)` jumps
 MapSource slices the permutation, StreamSource finds the window from block row counts and reads that
 window only. Nothing consumed is read again.
 
-Ray Train. launch.py executes the trainer's ray Datasets once on the driver (data_ray.blocks_for_workers)
-and hands every worker the block references; each worker then streams its share from the object store.
+Ray Train. launch.py starts Ray Data on the trainer's ray Datasets on the driver (data_ray.blocks_for_workers)
+and hands every worker the stream (block references as Ray Data publishes them); each worker then
+reads its share from the object store.
 Users who run TorchTrainer themselves pass Ray Datasets unsplit, in order::
 
     datasets, data_config = trainer_datasets({"train": train_ds, "eval": eval_ds})
