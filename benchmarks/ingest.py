@@ -1,7 +1,8 @@
 """Data ingest: raytrain's streams (Ray Data and Parquet files) against a torch DataLoader over the same
 Parquet files; resume cost; data wait share of step time; worker memory against dataset size.
 
-    python benchmarks/ingest.py [--rows 1000000] [--steps 200] [--threads 1] [--part all|ingest|beside|resume|memory|wait]
+    python benchmarks/ingest.py [--rows 1000000] [--steps 200] [--threads 1]
+                                [--part all|ingest|beside|resume|memory|wait]
 
 ingest: `rows` rows (a 64-float32 tensor column in Ray's tensor type, and an int64 label) as 8 Parquet
 files, read in one process through:

@@ -59,7 +59,8 @@ def _list_uri(uri: str, name: str) -> list[str]:
     if glob.has_magic(inner):
         folder = inner[:inner.rfind("/", 0, min(inner.find(c) for c in "*?[" if c in inner))]
         infos = fs.get_file_info(pafs.FileSelector(folder, recursive="**" in inner, allow_not_found=True))
-        found = sorted(scheme + i.path for i in infos if i.type == pafs.FileType.File and fnmatch.fnmatch(i.path, inner))
+        found = sorted(scheme + i.path for i in infos
+                       if i.type == pafs.FileType.File and fnmatch.fnmatch(i.path, inner))
         if not found:
             raise DataFileNotFoundError(f"{name}: no files match {uri!r}")
         return found
