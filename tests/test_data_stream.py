@@ -247,7 +247,7 @@ def test_a_stream_resumed_with_another_global_batch_maps_the_position_by_samples
                                  save_steps=5, seed=0, disable_tqdm=True, report_to="none")
     Trainer(Recorder(4), args(4, 5), train_dataset=spec).train()
     resumed = Trainer(Recorder(4), args(2, 8), train_dataset=spec)
-    with caplog.at_level(logging.WARNING, logger="raytrain.loop"):
+    with caplog.at_level(logging.WARNING, logger="raytrain.resume"):
         resumed.train(resume_from_checkpoint=True)
     msg = next(r.getMessage() for r in caplog.records if "continues at sample" in r.getMessage())
     assert "batch_size 4 -> 2" in msg and "epoch 0 continues at sample 20 of the same order" in msg
