@@ -16,6 +16,11 @@ Prints, each against a reference measured in the same run, the order of the two 
   (e) time from train(resume_from_checkpoint=...) to the first resumed step at step 10,000 against
       step 10 (target <= 1.1x), for a tiny model and the benchmark model (--resume-at 0 skips it).
 Timings never decide a test; on a shared machine, rerun for stable figures.
+
+On CPU, glibc returns large freed blocks to the kernel and the next step faults them in again (tens of
+thousands of page faults per step for this model), which moves step times by 30% from run to run and
+from one heap layout to the next. For (b), run it also with a steady heap, where what is left is the
+checkpoint's own cost: MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=4294967296 python ...
 """
 
 from __future__ import annotations
@@ -323,7 +328,8 @@ def main() -> None:
     start = time.perf_counter()
     print(f"machine: {platform.platform()} cpus={os.cpu_count()} torch={torch.__version__} "
           f"python={platform.python_version()} torch_threads={a.threads} "
-          f"writes={'page cache' if a.page_cache else 'O_DIRECT where allowed'} load_avg={os.getloadavg()[0]:.2f}")
+          f"writes={'page cache' if a.page_cache else 'O_DIRECT where allowed'} "
+          f"malloc={os.environ.get('MALLOC_MMAP_THRESHOLD_', 'default')} load_avg={os.getloadavg()[0]:.2f}")
     rows = []
     with tempfile.TemporaryDirectory(dir=os.environ.get("RAYTRAIN_BENCH_DIR")) as tmp:
         if "a" in parts:
