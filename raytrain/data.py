@@ -456,8 +456,9 @@ _NOT_DATA = {"self", "num_items_in_batch", "return_dict", "output_attentions", "
 
 def model_inputs(model: Any, training: bool = True) -> ModelInputs | None:
     """The batch keys `model.forward` needs; with `training` and a `labels` argument, labels too."""
-    fwd = getattr(model, "module", model)
-    fwd = getattr(fwd, "_orig_mod", fwd)
+    from .strategies.base import unwrap_model
+
+    fwd = unwrap_model(model)
     try:
         params = inspect.signature(fwd.forward).parameters
     except (TypeError, ValueError, AttributeError):
