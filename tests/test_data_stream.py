@@ -5,6 +5,7 @@ SIGKILLed from outside that ends bit-exact with the uninterrupted run."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -38,10 +39,13 @@ def _run(cmd: list[str], timeout: int) -> str:
 
 @pytest.mark.timeout(600)
 def test_two_workers_on_a_two_cpu_cluster_train_from_ray_datasets(tmp_path):
-    """Its own cluster of exactly 2 CPUs (tests/data_helpers.py): from_items, and range + map_batches, each
-    with 2 workers holding both CPUs, finish; a stage that can never run fails in one line, naming it."""
+    """Its own cluster of exactly 2 CPUs (tests/data_helpers.py): 2 workers holding both CPUs train on
+    from_items and evaluate on range + map_batches, and finish; a stage that can never run fails in one
+    line, naming it."""
     result = json.loads(_run([sys.executable, os.path.join(ROOT, "tests", "data_helpers.py"), str(tmp_path)], 540))
-    assert result["cpus"] == 2 and result["from_items"] == 4 and result["range_map_batches"] == 4
+    assert result["cpus"] == 2 and result["from_items"] == 4
+    [evaluated] = result["range_map_batches"]
+    assert evaluated["step"] == 4 and math.isfinite(evaluated["eval_loss"])
     stalled = result["stalled"]
     assert "\n" not in stalled and "Ray Data produced no block for 5 s (0 so far)" in stalled
     assert "stage MapBatches(featurize) waits with" in stalled and "of 2 cluster CPUs free" in stalled
