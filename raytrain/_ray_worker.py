@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from .callbacks import TrainerCallback
-from .callbacks.progress import ProgressFeeder, progress_callbacks
+from .callbacks.progress import ProgressFeeder, plain_logs, progress_callbacks
 from .checkpoint import MANIFEST, checkpoint_dir, get_last_checkpoint
 
 logger = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ class RayReportCallback(TrainerCallback):
     def on_log(self, args, state, control, logs=None, **kwargs):
         import ray.train
 
-        ray.train.report({**_plain(logs or {}), "step": state.global_step})
+        ray.train.report({**plain_logs(logs or {}), "step": state.global_step})
 
     def on_save(self, args, state, control, **kwargs):
         import ray.train
@@ -104,7 +104,7 @@ class RayReportCallback(TrainerCallback):
         path = checkpoint_dir(args.output_dir, state.global_step)
         checkpoint = ray.train.Checkpoint.from_directory(path) if self.rank == 0 else None
         last = state.log_history[-1] if state.log_history else {}
-        ray.train.report({**_plain(last), "step": state.global_step, "checkpoint_step": state.global_step},
+        ray.train.report({**plain_logs(last), "step": state.global_step, "checkpoint_step": state.global_step},
                          checkpoint=checkpoint)
 
 
@@ -137,10 +137,6 @@ def _progress_feeder(feed) -> ProgressFeeder:
             logger.debug("progress not sent to the driver: %s", e)
 
     return ProgressFeeder(send, flush)
-
-
-def _plain(logs: dict) -> dict:
-    return {k: (v.item() if isinstance(v, torch.Tensor) else v) for k, v in logs.items()}
 
 
 # ---------------------------------------------------------------- the worker function

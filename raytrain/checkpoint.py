@@ -460,11 +460,13 @@ def sorted_checkpoints(output_dir: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
-def get_last_checkpoint(output_dir: str, weights_on_load: bool = False) -> str | None:
-    """The newest complete, verified checkpoint; corrupt ones are skipped with a warning that names
-    the bad file and the reason. weights_on_load: as verify_checkpoint's (the caller loads the
-    weights with the manifest next)."""
-    for _, path in reversed(sorted_checkpoints(output_dir)):
+def get_last_checkpoint(output_dir: str, weights_on_load: bool = False, before_step: int | None = None) -> str | None:
+    """The newest complete, verified checkpoint (of a step below `before_step`, if given); corrupt ones
+    are skipped with a warning that names the bad file and the reason. weights_on_load: as
+    verify_checkpoint's (the caller loads the weights with the manifest next)."""
+    for step, path in reversed(sorted_checkpoints(output_dir)):
+        if before_step is not None and step >= before_step:
+            continue
         try:
             verify_checkpoint(path, weights_on_load=weights_on_load)
             return path

@@ -109,21 +109,11 @@ def restore(run: _Run, path: str, auto: bool) -> None:
             if not auto:
                 raise
             logger.warning("skipping checkpoint %s: %s; trying the next older one", path, e)
-            found = [p for _, p in ckpt.sorted_checkpoints(run.trainer.args.output_dir)]
-            older = found[:found.index(path)] if path in found else []
-            path = next((p for p in reversed(older) if _verifies(p)), None)
+            step = next(s for s, p in ckpt.sorted_checkpoints(run.trainer.args.output_dir) if p == path)
+            path = ckpt.get_last_checkpoint(run.trainer.args.output_dir, weights_on_load=True, before_step=step)
             if path is None:
                 raise ckpt.CheckpointError(f"resume: no intact checkpoint left in {run.trainer.args.output_dir} "
                                            "(the warnings above name each bad file)") from None
-
-
-def _verifies(path: str) -> bool:
-    try:
-        ckpt.verify_checkpoint(path, weights_on_load=True)
-        return True
-    except ckpt.CheckpointError as e:
-        logger.warning("skipping checkpoint %s: %s; trying the next older one", path, e)
-        return False
 
 
 def _restore(run: _Run, path: str, manifest: dict | None) -> None:

@@ -201,7 +201,7 @@ class ProgressFeeder(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs:
-            self._push(("log", _state(state), _plain(logs)))
+            self._push(("log", _state(state), plain_logs(logs)))
 
     def on_prediction_step(self, args, state, control, eval_dataloader=None, **kwargs):
         self.eval_done += 1
@@ -218,7 +218,8 @@ class ProgressFeeder(TrainerCallback):
         self.flush(events)
 
 
-def _plain(logs: dict) -> dict:
+def plain_logs(logs: dict) -> dict:
+    """Log values as Python numbers (a tensor's .item()), to send across processes."""
     return {k: (v.item() if hasattr(v, "item") else v) for k, v in logs.items()}
 
 
