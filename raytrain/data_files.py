@@ -246,7 +246,8 @@ def parquet_blocks(files: list[str], name: str, columns: list[str] | None):
     blocks, names, first, nbytes = [], None, None, 0
     for f in files:
         try:
-            meta, schema = pq.read_metadata(_source(f)), pq.read_schema(_source(f))
+            footer = pq.ParquetFile(_source(f))  # one open and one footer read, local or remote
+            meta, schema = footer.metadata, footer.schema_arrow
         except (pa.ArrowInvalid, OSError) as e:
             raise DataError(f"{name}: {f}: not a readable Parquet file ({str(e).splitlines()[0]})") from None
         _register_extension_types(schema)
