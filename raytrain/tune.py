@@ -32,6 +32,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["BestRun", "hyperparameter_search", "load_search_spec", "space_from_spec", "run_search_cli"]
 
 _DRIVER_CPU = 0.01  # a distributed trial's function only waits on its TorchTrainer
+_NO_MAX_T = 10**6  # evaluations: ASHA/HyperBand never cut a trial only for its length
 SCHEDULERS = ("asha", "hyperband", "median", "pbt", "none")
 SAMPLERS = ("tpe", "random", "cmaes", "qmc")  # sweep_sampler.py builds them
 
@@ -90,11 +91,14 @@ def _scheduler(name: str | None, mutations: dict | None, kwargs: dict):
 
     if name in (None, "none", "fifo"):
         return None
-    # Trials report once per evaluation: training_iteration counts evaluations.
+    # Trials report once per evaluation: training_iteration counts evaluations. Ray's max_t (100)
+    # would stop every trial at its 100th evaluation; a trial ends at its own max_steps instead
+    # (the rungs are grace_period * reduction_factor**k whatever max_t is).
     if name == "asha":
-        return s.ASHAScheduler(**{"grace_period": 1, "reduction_factor": 2, **kwargs})
+        return s.ASHAScheduler(**{"grace_period": 1, "reduction_factor": 2, "max_t": _NO_MAX_T, **kwargs})
     if name == "hyperband":
-        return s.AsyncHyperBandScheduler(**{"grace_period": 1, "reduction_factor": 3, "brackets": 3, **kwargs})
+        return s.AsyncHyperBandScheduler(**{"grace_period": 1, "reduction_factor": 3, "brackets": 3,
+                                            "max_t": _NO_MAX_T, **kwargs})
     if name == "median":
         return s.MedianStoppingRule(**{"grace_period": 1, "min_samples_required": 2, "time_attr": "training_iteration",
                                        **kwargs})

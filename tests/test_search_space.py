@@ -127,3 +127,30 @@ def test_schedulers_and_samplers_by_name():
         space(trial)
         firsts.append(trial.params["learning_rate"])
     assert firsts[0] == firsts[1]
+
+
+def test_asha_and_hyperband_cut_at_rungs_not_at_rays_max_t_of_100():
+    """Ray's max_t=100 default stopped every trial at its 100th evaluation (a trial evaluating every
+    10 steps for 2000 steps ended at step 1000, "stopped early"); raytrain's trials end on their own."""
+    from types import SimpleNamespace
+
+    from ray.tune.schedulers import TrialScheduler
+
+    from raytrain.tune import _scheduler
+
+    for name in ("asha", "hyperband"):
+        sched = _scheduler(name, None, {})
+        sched.set_search_properties("objective", "max")
+        good, bad = SimpleNamespace(trial_id="good"), SimpleNamespace(trial_id="bad")
+        sched.on_trial_add(None, good)
+        sched.on_trial_add(None, bad)
+        decisions = [sched.on_trial_result(None, good, {"training_iteration": i, "objective": 0.9})
+                     for i in range(1, 201)]
+        assert set(decisions) == {TrialScheduler.CONTINUE}, name
+    # The rungs still cut: a trial below the others at ASHA's first rung (one evaluation) stops there.
+    sched = _scheduler("asha", None, {})
+    sched.set_search_properties("objective", "max")
+    sched.on_trial_add(None, good)
+    sched.on_trial_add(None, bad)
+    sched.on_trial_result(None, good, {"training_iteration": 1, "objective": 0.9})
+    assert sched.on_trial_result(None, bad, {"training_iteration": 1, "objective": 0.1}) == TrialScheduler.STOP
