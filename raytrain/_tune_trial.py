@@ -66,8 +66,9 @@ class _Reporter(TrainerCallback):
     """loop.py's `trial`: each evaluation becomes one Tune result (the worker never imports ray.tune).
     It is also a callback, to learn the run's max_steps (a result below it was stopped early)."""
 
-    def __init__(self, compute_objective: Callable, n_objectives: int, pointer: bool = False):
-        self.compute_objective, self.n, self.pointer = compute_objective, n_objectives, pointer
+    def __init__(self, compute_objective: Callable, n_objectives: int, pointer: bool = False,
+                 upload: bool = False):
+        self.compute_objective, self.n, self.pointer, self.upload = compute_objective, n_objectives, pointer, upload
         self.max_steps = 0
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -84,7 +85,10 @@ class _Reporter(TrainerCallback):
 
         result = self.result(metrics, step, checkpoint_dir)
         checkpoint = None
-        if self.pointer and checkpoint_dir:
+        if self.upload and checkpoint_dir:
+            # A URI sweep: Ray persists raytrain's checkpoint there (restore and PBT fetch it back).
+            checkpoint = tune.Checkpoint.from_directory(checkpoint_dir)
+        elif self.pointer and checkpoint_dir:
             # PBT clones trials through Tune checkpoints: hand it a pointer, not the weights.
             where = os.path.join(os.path.dirname(os.path.abspath(checkpoint_dir)), ".tune-pointer")
             os.makedirs(where, exist_ok=True)
@@ -140,6 +144,8 @@ def _resume_point(trial_dir: str) -> tuple[str | None, bool]:
     from .checkpoint import get_last_checkpoint
 
     restored = tune.get_checkpoint()
+    if restored is not None and _is_raytrain_checkpoint(restored):
+        return _fetch_checkpoint(restored, trial_dir)
     if restored is not None:
         with restored.as_directory() as d:
             with open(os.path.join(d, POINTER)) as f:
@@ -150,6 +156,42 @@ def _resume_point(trial_dir: str) -> tuple[str | None, bool]:
                                         "raise save_total_limit")
             return path, True
     return (get_last_checkpoint(trial_dir) if os.path.isdir(trial_dir) else None), False
+
+
+def _is_raytrain_checkpoint(checkpoint) -> bool:
+    """A URI sweep reports raytrain's checkpoint itself (no pointer file)."""
+    import pyarrow.fs
+
+    from .checkpoint import TRAINER_STATE
+
+    info = checkpoint.filesystem.get_file_info(f"{checkpoint.path}/{TRAINER_STATE}")
+    return info.type == pyarrow.fs.FileType.File
+
+
+def _fetch_checkpoint(checkpoint, trial_dir: str) -> tuple[str, bool]:
+    """(local checkpoint to continue from, whether it is another trial's) for a checkpoint Tune
+    persisted at the sweep's URI. This trial's own newest local checkpoint wins when it is at least
+    as new (a driver restore on the same node); else the persisted one is downloaded into the trial
+    directory as checkpoint-<step>, where raytrain's resume and rotation find it."""
+    import shutil
+
+    from .checkpoint import TRAINER_STATE, checkpoint_dir, get_last_checkpoint, sorted_checkpoints
+
+    own = os.path.basename(os.path.dirname(checkpoint.path)) == os.path.basename(trial_dir)
+    os.makedirs(trial_dir, exist_ok=True)
+    staging = os.path.join(trial_dir, ".fetching")
+    shutil.rmtree(staging, ignore_errors=True)
+    checkpoint.to_directory(staging)
+    with open(os.path.join(staging, TRAINER_STATE)) as f:
+        step = int(json.load(f)["global_step"])
+    last = get_last_checkpoint(trial_dir) if own else None
+    if last is not None and dict((p, s) for s, p in sorted_checkpoints(trial_dir))[last] >= step:
+        shutil.rmtree(staging)
+        return last, False
+    target = checkpoint_dir(trial_dir, step)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(staging, target)
+    return target, not own
 
 
 def run_trial(config: dict[str, Any], spec: dict[str, Any]) -> None:
@@ -202,7 +244,9 @@ def _run_trial(config: dict[str, Any], spec: dict[str, Any], trial_dir: str) -> 
     if args.scaling.num_workers > 1:
         _run_distributed(trainer, resume, _WorkerReporter(spec["compute_objective"], n), trial_id)
         return
-    reporter = _Reporter(spec["compute_objective"], n, pointer=spec["scheduler"] == "pbt")
+    remote = spec.get("remote", False)
+    reporter = _Reporter(spec["compute_objective"], n, pointer=spec["scheduler"] == "pbt" and not remote,
+                         upload=remote)
     trainer.add_callback(reporter)
     trainer.train(resume_from_checkpoint=resume, trial=reporter)
 

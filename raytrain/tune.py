@@ -72,7 +72,33 @@ def _search_class():
 
     class _Search(OptunaSearch):
         """OptunaSearch whose new trials first take over the study's orphans: trials Optuna handed
-        out after Tune's last state save, before the driver died (same parameters, same count)."""
+        out after Tune's last state save, before the driver died (same parameters, same count).
+        With a URI, each save of Tune's searcher state first copies the SQLite study there, so the
+        study at the URI is never older than the searcher state Tune syncs after it."""
+
+        mirror = None
+
+        def on_trial_complete(self, trial_id: str, result: dict | None = None, error: bool = False):
+            # A trial the scheduler stopped early is PRUNED for Optuna, as with Optuna's own pruners:
+            # TPE then ranks it below the trials that ran to the end (by how far it got), instead
+            # of taking its accuracy after a few steps for a final result.
+            step, max_steps = (result or {}).get("step"), (result or {}).get("max_steps")
+            value = (result or {}).get(self.metric) if isinstance(self.metric, str) else None
+            if error or value is None or not step or not max_steps or step >= max_steps \
+                    or trial_id in self._completed_trials or trial_id not in self._ot_trials:
+                return super().on_trial_complete(trial_id, result, error)
+            trial = self._ot_trials[trial_id]
+            try:
+                trial.report(value, result.get("training_iteration", step))
+                self._ot_study.tell(trial, state=TrialState.PRUNED)
+            except Exception as exc:  # e.g. NaN, as OptunaSearch does
+                logger.warning(exc)
+            self._completed_trials.add(trial_id)
+
+        def save(self, checkpoint_path: str):
+            super().save(checkpoint_path)
+            if self.mirror is not None:
+                self.mirror.push_study()
 
         def suggest(self, trial_id: str):
             if trial_id not in self._ot_trials and self._ot_study is not None:
@@ -184,7 +210,7 @@ def hyperparameter_search(trainer, hp_space=None, compute_objective: Callable | 
     name (an error if there is none), "auto" continues it if it exists; False refuses to overwrite one."""
     from ray import tune
 
-    from . import sweep_report
+    from . import sweep_mirror, sweep_report
     from ._tune_trial import run_trial, trial_dirname
     from .launch import ensure_ray
 
@@ -198,16 +224,27 @@ def hyperparameter_search(trainer, hp_space=None, compute_objective: Callable | 
 
     name = name or trainer.args.run_name or "sweep"
     root = storage_path or os.path.join(trainer.args.output_dir, "sweeps")
-    if "://" in root:
-        raise ValueError(f"storage_path: {root!r}: a sweep writes trial checkpoints with local file I/O; give a "
-                         "path every node sees (a shared filesystem), not a URI")
-    root = os.path.abspath(os.path.expanduser(root))
-    sweep_dir = os.path.join(root, name)
-    restoring = _restoring(sweep_dir, resume)
+    remote = _is_uri(root)
+    if remote:
+        # Ray's storage holds Tune's state and the checkpoints trials report; each trial trains in
+        # <output_dir>/sweeps/<name>/trial_<id> on its node's disk (sweep_dir, as without a URI).
+        _check_uri(root, trainer.args)
+        state_path = _join_uri(root, name)
+        sweep_dir = os.path.abspath(os.path.join(trainer.args.output_dir, "sweeps", name))
+    else:
+        root = os.path.abspath(os.path.expanduser(root))
+        sweep_dir = state_path = os.path.join(root, name)
+    restoring = _restoring(state_path, resume)
     os.makedirs(sweep_dir, exist_ok=True)
+    mirror = sweep_mirror.Mirror(sweep_dir, state_path) if remote else None
+    if restoring and mirror is not None:
+        mirror.fetch_study()  # the searcher restored below reads it
     # Tune saves its state (trials, searcher) at most this often; a small period keeps a restore
     # close to where the driver died.
     os.environ.setdefault("TUNE_GLOBAL_CHECKPOINT_S", "1")
+    # With a URI and save_total_limit, Tune syncs its state whenever it deletes a trial's old checkpoint
+    # there (so a restore never names a deleted one), and warns about it on every frequent save.
+    os.environ.setdefault("TUNE_WARN_EXCESSIVE_EXPERIMENT_CHECKPOINT_SYNC_THRESHOLD_S", "0")
     # Our status lines replace Tune's progress tables (the legacy reporter is silent at verbose=0).
     os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
     ensure_ray()
@@ -224,18 +261,19 @@ def hyperparameter_search(trainer, hp_space=None, compute_objective: Callable | 
                            "compute_loss_func": trainer.compute_loss_func},
         "compute_objective": compute_objective, "metric": metric, "mode": modes[0] if len(modes) == 1 else None,
         "directions": directions, "scheduler": scheduler, "mlflow": tracker.info if tracker else None,
-        "show_trial_logs": show_trial_logs,
+        "show_trial_logs": show_trial_logs, "remote": remote,
     }
     resources, max_concurrent = _resources(trainer.args, resources_per_trial, max_concurrent_trials)
     trainable = tune.with_resources(tune.with_parameters(run_trial, spec=spec), resources)
     callbacks = [sweep_report.StatusLines(keys, tracker)]
 
     if restoring:
-        print(f"[sweep] resuming {sweep_dir}", flush=True)
-        tuner = tune.Tuner.restore(sweep_dir, trainable, resume_unfinished=True, resume_errored=False)
+        print(f"[sweep] resuming {sweep_mirror.display(state_path) if remote else state_path}", flush=True)
+        tuner = tune.Tuner.restore(state_path, trainable, resume_unfinished=True, resume_errored=False)
     else:
         tuner = _new_tuner(trainable, space, modes, keys, n_trials, scheduler, scheduler_kwargs, max_concurrent,
-                           seed, sampler, root, name, sweep_dir, callbacks, trial_dirname)
+                           seed, sampler, root, name, sweep_dir, callbacks, trial_dirname, mirror,
+                           trainer.args.save_total_limit)
     quiet = logging.getLogger("ray.tune")
     level = quiet.level
     quiet.setLevel(logging.WARNING)  # "Wrote the latest version of all result files ..."
@@ -243,7 +281,31 @@ def hyperparameter_search(trainer, hp_space=None, compute_objective: Callable | 
         grid = tuner.fit()
     finally:
         quiet.setLevel(level)
-    return _finish(grid, space, keys, modes, sweep_dir, name, tracker, plots)
+    return _finish(grid, space, keys, modes, sweep_dir, name, tracker, plots, mirror)
+
+
+def _is_uri(path: str) -> bool:
+    return "://" in path
+
+
+def _join_uri(uri: str, name: str) -> str:
+    """<uri>/<name>, keeping pyarrow's query options (s3://b/p?endpoint_override=...) at the end."""
+    base, sep, query = uri.partition("?")
+    return f"{base.rstrip('/')}/{name}{sep}{query}"
+
+
+def _check_uri(uri: str, args: TrainingArguments) -> None:
+    import pyarrow.fs
+
+    try:
+        pyarrow.fs.FileSystem.from_uri(uri)
+    except Exception as e:  # unknown scheme, missing filesystem support
+        raise ValueError(f"storage_path: {_shown(uri)!r}: pyarrow cannot open it ({str(e).splitlines()[0]}); "
+                         "give an s3://, gs://, abfs:// or hdfs:// URI it reaches, or a local path") from None
+    if args.scaling.num_workers > 1:
+        raise ValueError(f"storage_path: {_shown(uri)!r}: a URI needs one-worker trials (scaling.num_workers=1); a "
+                         "distributed trial's checkpoints are not reported to Tune, so none would reach the URI; "
+                         "use a shared filesystem path")
 
 
 def _restoring(sweep_dir: str, resume: bool | str) -> bool:
@@ -259,7 +321,7 @@ def _restoring(sweep_dir: str, resume: bool | str) -> bool:
 
 
 def _new_tuner(trainable, space, modes, keys, n_trials, scheduler, scheduler_kwargs, max_concurrent, seed,
-               sampler, root, name, sweep_dir, callbacks, trial_dirname):
+               sampler, root, name, sweep_dir, callbacks, trial_dirname, mirror=None, keep=None):
     import optuna
     from ray import tune
 
@@ -275,6 +337,7 @@ def _new_tuner(trainable, space, modes, keys, n_trials, scheduler, scheduler_kwa
         search_alg = _search_class()(space=space if isinstance(space, SearchSpace) else None,
                                      metric=keys[0] if single else keys, mode=modes[0] if single else modes,
                                      sampler=make_sampler(sampler, seed, n_trials), study_name=name, storage=storage)
+        search_alg.mirror = mirror
     return tune.Tuner(
         trainable, param_space=param_space,
         tune_config=tune.TuneConfig(
@@ -283,27 +346,46 @@ def _new_tuner(trainable, space, modes, keys, n_trials, scheduler, scheduler_kwa
             max_concurrent_trials=max_concurrent, trial_dirname_creator=trial_dirname,
             reuse_actors=True),  # a warm process per trial slot: no Ray worker start-up per trial
         run_config=tune.RunConfig(name=name, storage_path=root, verbose=0, callbacks=callbacks,
-                                  ),
+                                  checkpoint_config=_checkpoint_config(mirror, keep, modes)),
     )
 
 
-def _finish(grid, space, keys, modes, sweep_dir, name, tracker, plots):
+def _checkpoint_config(mirror, keep: int | None, modes: list[str]):
+    """With a URI, Tune holds the trials' raytrain checkpoints: rotated there as the trial rotates its
+    own (save_total_limit, the best by the objective kept; Tune always keeps the latest too)."""
+    from ray import tune
+
+    if mirror is None or not keep:
+        return None
+    if len(modes) > 1:
+        return tune.CheckpointConfig(num_to_keep=keep)
+    return tune.CheckpointConfig(num_to_keep=keep, checkpoint_score_attribute="objective",
+                                 checkpoint_score_order=modes[0])
+
+
+def _finish(grid, space, keys, modes, sweep_dir, name, tracker, plots, mirror=None):
     from . import sweep_report
 
     names = space.names if isinstance(space, SearchSpace) else list(space)
     table = sweep_report.trials_table(grid, names, keys, modes)
+    if mirror is not None:  # the best report's checkpoint as Tune persisted it at the URI
+        table["checkpoint"] = [mirror.best_checkpoint(r, keys[0], modes[0]) for r in _by_trial_id(grid, table)]
     table.to_csv(os.path.join(sweep_dir, "trials.csv"), index=False)
-    print(f"[sweep] {len(table)} trials ({sweep_dir}):", flush=True)
+    print(f"[sweep] {len(table)} trials ({_shown(mirror.uri) if mirror else sweep_dir}):", flush=True)
     sweep_report.print_table(table)
     ok = table.dropna(subset=keys)
     if ok.empty:
         errors = [e for e in table["error"] if e]
         if tracker:
             tracker.end(None)
+        if mirror is not None:
+            mirror.push_results()
         raise RuntimeError(f"every trial failed; the first error: {errors[0] if errors else 'no trial reported'}")
     study = _load_study(sweep_dir, name)
     if plots:
         sweep_report.write_plots(sweep_dir, grid, keys, study)
+    if mirror is not None:
+        mirror.push_results()
 
     def best_run(row) -> BestRun:
         params = {k: _py(row[k]) for k in names if k in row and row[k] == row[k]}  # NaN: not sampled
@@ -323,6 +405,17 @@ def _finish(grid, space, keys, modes, sweep_dir, name, tracker, plots):
     if tracker:
         tracker.end(runs[0] if runs else None)
     return runs
+
+
+def _shown(uri: str) -> str:
+    from .sweep_mirror import display
+
+    return display(uri)
+
+
+def _by_trial_id(grid, table) -> list:
+    results = {os.path.basename(r.path).removeprefix("trial_"): r for r in grid}
+    return [results[t] for t in table["trial_id"]]
 
 
 def _py(v):

@@ -3,6 +3,7 @@ SQLite): finished trials are not rerun, running ones continue from their checkpo
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -131,3 +132,100 @@ def test_suggestions_after_a_restore_equal_an_uninterrupted_sweep(tmp_path, samp
     study = optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path / 'b.db'}")
     assert [t.number for t in study.trials] == list(range(9))
     assert all(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
+
+
+def _moto_multipart_fix(monkeypatch):
+    """moto 5.2.1 answers CompleteMultipartUpload with the wrong XML root, which pyarrow's S3 client
+    (every write is a multipart upload) rejects (getmoto/moto#10055, fixed after 5.2.1)."""
+    from moto.s3.responses import S3Response
+
+    post = S3Response._key_response_post
+
+    def fixed(self, *a, **kw):
+        status, headers, body = post(self, *a, **kw)
+        wrong, right = "CompleteMultipartUploadResponse", "CompleteMultipartUploadResult"
+        if isinstance(body, bytes):
+            body = body.replace(wrong.encode(), right.encode())
+        elif isinstance(body, str):
+            body = body.replace(wrong, right)
+        return status, headers, body
+
+    monkeypatch.setattr(S3Response, "_key_response_post", fixed)
+
+
+def test_cloud_storage_path_persists_the_sweep_and_restores_without_the_local_dir(ray_cluster, tmp_path, digits,
+                                                                                   monkeypatch):
+    """storage_path an S3 URI (a moto server): Tune's state, the reported raytrain checkpoints, the Optuna
+    study, trials.csv and the plots reach the bucket; with the local sweep directory deleted, the same
+    call continues from the URI (nothing rerun) and a trial fetches its checkpoint back from it."""
+    import shutil
+    import socket
+
+    import optuna
+    import pyarrow.fs
+    from moto.server import ThreadedMotoServer
+    from ray import tune
+
+    from examples.digits import build_model, compute_metrics
+    from raytrain import Trainer, TrainingArguments
+    from raytrain._tune_trial import _fetch_checkpoint
+    from raytrain.checkpoint import verify_checkpoint
+
+    _moto_multipart_fix(monkeypatch)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    try:
+        query = f"endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1"
+        fs, _ = pyarrow.fs.FileSystem.from_uri(f"s3://testing:testing@bucket?{query}&allow_bucket_creation=true")
+        fs.create_dir("bucket")
+        uri = f"s3://testing:testing@bucket/sweeps?{query}"
+        train, val = digits
+        args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=10, per_device_train_batch_size=32,
+                                 eval_strategy="steps", eval_steps=5, save_steps=5, logging_steps=5,
+                                 save_total_limit=1, disable_tqdm=True)
+
+        def search(resume):
+            trainer = Trainer(args=args, model_init=lambda **k: build_model(**k), train_dataset=train,
+                              eval_dataset=val, compute_metrics=compute_metrics)
+            return trainer.hyperparameter_search({"learning_rate": {"loguniform": [1e-3, 1e-2]}}, n_trials=2,
+                                                 direction="maximize", metric="accuracy", scheduler="none", seed=0,
+                                                 max_concurrent_trials=1, storage_path=uri, name="cloud",
+                                                 resume=resume, plots=False)
+
+        best = search(False)
+        local = tmp_path / "out" / "sweeps" / "cloud"
+        ids = sorted(best.run_summary["trial_id"])
+        assert sorted(p.name for p in local.glob("trial_*")) == [f"trial_{t}" for t in ids]  # trained locally
+        listed = {i.path.removeprefix("bucket/sweeps/cloud/") for i in
+                  fs.get_file_info(pyarrow.fs.FileSelector("bucket/sweeps/cloud", recursive=True))}
+        assert {"optuna.db", "trials.csv"} <= listed and any(n.startswith("experiment_state") for n in listed)
+        # Each trial's raytrain checkpoint went to the bucket through Tune, rotated to save_total_limit=1
+        # (Tune also keeps the latest: here the same one, step 10).
+        for t in ids:
+            ckpts = sorted(n for n in listed if n.startswith(f"trial_{t}/checkpoint_") and n.count("/") == 1)
+            assert len(ckpts) == 1, ckpts
+            state = json.loads(fs.open_input_file(f"bucket/sweeps/cloud/{ckpts[0]}/trainer_state.json").read())
+            assert state["global_step"] == 10
+        assert best.checkpoint.startswith(f"s3://bucket/sweeps/cloud/trial_{best.run_id}/checkpoint_")
+
+        shutil.rmtree(local)
+        again = search(True)  # from the URI alone
+        assert again.run_id == best.run_id and again.objective == best.objective
+        assert sorted(p.name for p in local.glob("trial_*")) == []  # nothing rerun
+        study = optuna.load_study(study_name="cloud", storage=f"sqlite:///{local / 'optuna.db'}")
+        assert len(study.trials) == 2  # fetched from the bucket
+
+        # A trial given its persisted checkpoint (a restore elsewhere, or PBT cloning it) downloads it into its
+        # own directory as checkpoint-<step>, verified; another trial's is marked as a clone.
+        ckpt = tune.Checkpoint(best.checkpoint.removeprefix("s3://"), filesystem=fs)
+        own = local / f"trial_{best.run_id}"
+        path, cloned = _fetch_checkpoint(ckpt, str(own))
+        assert path == str(own / "checkpoint-10") and not cloned and verify_checkpoint(path)
+        other = next(t for t in ids if t != best.run_id)
+        path, cloned = _fetch_checkpoint(ckpt, str(local / f"trial_{other}"))
+        assert cloned and path.endswith(f"trial_{other}/checkpoint-10")
+    finally:
+        server.stop()

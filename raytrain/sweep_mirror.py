@@ -1,0 +1,77 @@
+"""DRIVER side: a sweep whose storage_path is a URI (s3://, gs://, ... as Ray's storage is).
+
+Ray's storage (pyarrow.fs) persists what Tune owns: its experiment state and the checkpoints trials
+report (raytrain's checkpoint directories, uploaded by the trial at each save). The rest of a sweep
+is kept on the driver's disk in <output_dir>/sweeps/<name>/ and copied to <uri>/<name>/ by this
+module: the Optuna study (SQLite needs a local file) whenever Tune saves its searcher state, and
+trials.csv and the plots at the end. A restore on a machine without the local directory fetches the
+study first; the trials fetch their checkpoints from Tune (_tune_trial._fetch_checkpoint).
+"""
+
+from __future__ import annotations
+
+import os
+
+STUDY = "optuna.db"
+
+
+def display(uri: str) -> str:
+    """The URI without credentials or query options, for console lines and files."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(uri)
+    return f"{parts.scheme}://{parts.hostname or ''}{parts.path}"
+
+
+class Mirror:
+    """Copies between the local sweep directory and the sweep's URI (picklable: it travels in the
+    searcher's saved state)."""
+
+    def __init__(self, local_dir: str, uri: str):
+        self.local_dir, self.uri = local_dir, uri
+
+    def _fs(self):
+        import pyarrow.fs
+
+        return pyarrow.fs.FileSystem.from_uri(self.uri)  # (filesystem, path) without the query
+
+    def push(self, names: list[str]) -> None:
+        import pyarrow.fs
+
+        fs, base = self._fs()
+        fs.create_dir(base, recursive=True)
+        for name in names:
+            src = os.path.join(self.local_dir, name)
+            if os.path.isfile(src):
+                pyarrow.fs.copy_files(src, f"{base}/{name}", destination_filesystem=fs)
+
+    def push_study(self) -> None:
+        self.push([STUDY])
+
+    def push_results(self) -> None:
+        self.push(sorted(n for n in os.listdir(self.local_dir)
+                         if n == STUDY or n == "trials.csv" or n.endswith((".html", ".png", ".js"))))
+
+    def fetch_study(self) -> bool:
+        """Copy the study from the URI unless this machine has it (then it is at least as new)."""
+        import pyarrow.fs
+
+        local = os.path.join(self.local_dir, STUDY)
+        if os.path.isfile(local):
+            return False
+        fs, base = self._fs()
+        if fs.get_file_info(f"{base}/{STUDY}").type != pyarrow.fs.FileType.File:
+            return False
+        pyarrow.fs.copy_files(f"{base}/{STUDY}", local, source_filesystem=fs)
+        return True
+
+    def best_checkpoint(self, result, metric: str, mode: str) -> str:
+        """The URI of the trial's best persisted checkpoint ("" when it reported none)."""
+        try:
+            ckpt = result.get_best_checkpoint(metric, mode)
+        except (RuntimeError, ValueError, KeyError):
+            ckpt = None
+        if ckpt is None:
+            return ""
+        scheme = self.uri.split("://", 1)[0]
+        return f"{scheme}://{ckpt.path}"
