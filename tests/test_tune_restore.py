@@ -134,6 +134,22 @@ def test_suggestions_after_a_restore_equal_an_uninterrupted_sweep(tmp_path, samp
     assert all(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)
 
 
+def test_a_trial_the_scheduler_stopped_early_is_pruned_for_optuna(tmp_path):
+    """Ray's OptunaSearch told Optuna an ASHA-stopped trial was COMPLETE with its accuracy after a few
+    steps; it is PRUNED (with that value as its last intermediate), as Optuna's own pruners leave it."""
+    import optuna
+
+    searcher = _searcher(tmp_path / "p.db")
+    searcher.suggest("full")
+    searcher.suggest("cut")
+    searcher.on_trial_result("cut", {"objective": 0.3, "training_iteration": 1, "step": 10, "max_steps": 300})
+    searcher.on_trial_complete("cut", {"objective": 0.5, "training_iteration": 3, "step": 30, "max_steps": 300})
+    searcher.on_trial_complete("full", {"objective": 0.9, "training_iteration": 30, "step": 300, "max_steps": 300})
+    full, cut = optuna.load_study(study_name="s", storage=f"sqlite:///{tmp_path / 'p.db'}").trials
+    assert full.state == optuna.trial.TrialState.COMPLETE and full.value == 0.9
+    assert cut.state == optuna.trial.TrialState.PRUNED and cut.intermediate_values == {1: 0.3, 3: 0.5}
+
+
 def _moto_multipart_fix(monkeypatch):
     """moto 5.2.1 answers CompleteMultipartUpload with the wrong XML root, which pyarrow's S3 client
     (every write is a multipart upload) rejects (getmoto/moto#10055, fixed after 5.2.1)."""
