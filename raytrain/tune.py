@@ -1,6 +1,8 @@
 """DRIVER side: hyperparameter_search with Ray Tune + Optuna; one trial = one raytrain run.
 
-A sweep lives in one directory, `<output_dir>/sweeps/<name>/` (or `<storage_path>/<name>/`)::
+A sweep lives in one directory, `<output_dir>/sweeps/<name>/` (or `<storage_path>/<name>/`; for a
+URI storage_path, Tune's state and the reported checkpoints go to `<uri>/<name>/` through Ray's
+storage, the rest stays in `<output_dir>/sweeps/<name>/` and sweep_mirror.py copies it up)::
 
     experiment_state-*.json, searcher-state-*.pkl, tuner.pkl   Ray Tune's state (Tuner.restore)
     optuna.db                                                  the Optuna study (SQLite)
