@@ -25,7 +25,7 @@ from .args import ConfigError
 _RANGES = {"uniform": 2, "loguniform": 2, "quniform": 3, "int": 2, "logint": 2, "randint": 2}
 DISTRIBUTIONS = sorted([*_RANGES, "choice"])
 SPEC_KEYS = ("metric", "mode", "num_samples", "scheduler", "scheduler_kwargs", "space",
-             "max_concurrent_trials", "seed", "sampler", "name", "show_trial_logs")
+             "max_concurrent_trials", "seed", "sampler", "name", "show_trial_logs", "storage_path")
 
 
 @dataclass

@@ -466,6 +466,7 @@ def run_search_cli(args: TrainingArguments, job: dict, path: str, resume: Any = 
                                  max_concurrent_trials=spec.get("max_concurrent_trials"), seed=spec.get("seed"),
                                  metric=spec.get("metric"), sampler=spec.get("sampler", "tpe"), name=name,
                                  show_trial_logs=bool(spec.get("show_trial_logs", False)),
+                                 storage_path=spec.get("storage_path"),
                                  resume="auto" if resume == "auto" else False)
     for b in best if isinstance(best, list) else [best]:
         print(f"best trial: objective={b.objective} hyperparameters={b.hyperparameters} checkpoint={b.checkpoint}")
