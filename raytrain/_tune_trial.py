@@ -178,16 +178,15 @@ def _fetch_checkpoint(checkpoint, trial_dir: str) -> tuple[str, bool]:
     from .checkpoint import TRAINER_STATE, checkpoint_dir, get_last_checkpoint, sorted_checkpoints
 
     own = os.path.basename(os.path.dirname(checkpoint.path)) == os.path.basename(trial_dir)
+    with checkpoint.filesystem.open_input_file(f"{checkpoint.path}/{TRAINER_STATE}") as f:
+        step = int(json.loads(f.read())["global_step"])
+    last = get_last_checkpoint(trial_dir) if own else None
+    if last is not None and dict((p, s) for s, p in sorted_checkpoints(trial_dir))[last] >= step:
+        return last, False
     os.makedirs(trial_dir, exist_ok=True)
     staging = os.path.join(trial_dir, ".fetching")
     shutil.rmtree(staging, ignore_errors=True)
     checkpoint.to_directory(staging)
-    with open(os.path.join(staging, TRAINER_STATE)) as f:
-        step = int(json.load(f)["global_step"])
-    last = get_last_checkpoint(trial_dir) if own else None
-    if last is not None and dict((p, s) for s, p in sorted_checkpoints(trial_dir))[last] >= step:
-        shutil.rmtree(staging)
-        return last, False
     target = checkpoint_dir(trial_dir, step)
     shutil.rmtree(target, ignore_errors=True)
     os.replace(staging, target)
