@@ -170,7 +170,7 @@ def _moto_multipart_fix(monkeypatch):
 
 
 def test_cloud_storage_path_persists_the_sweep_and_restores_without_the_local_dir(ray_cluster, tmp_path, digits,
-                                                                                   monkeypatch):
+                                                                                   monkeypatch, capsys):
     """storage_path an S3 URI (a moto server): Tune's state, the reported raytrain checkpoints, the Optuna
     study, trials.csv and the plots reach the bucket; with the local sweep directory deleted, the same
     call continues from the URI (nothing rerun) and a trial fetches its checkpoint back from it."""
@@ -230,6 +230,7 @@ def test_cloud_storage_path_persists_the_sweep_and_restores_without_the_local_di
         shutil.rmtree(local)
         again = search(True)  # from the URI alone
         assert again.run_id == best.run_id and again.objective == best.objective
+        assert "[sweep] resuming s3://bucket/sweeps/cloud\n" in capsys.readouterr().out  # no credentials shown
         assert sorted(p.name for p in local.glob("trial_*")) == []  # nothing rerun
         study = optuna.load_study(study_name="cloud", storage=f"sqlite:///{local / 'optuna.db'}")
         assert len(study.trials) == 2  # fetched from the bucket
