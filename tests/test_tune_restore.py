@@ -179,13 +179,14 @@ def test_cloud_storage_path_persists_the_sweep_and_restores_without_the_local_di
 
     import optuna
     import pyarrow.fs
+    import torch
     from moto.server import ThreadedMotoServer
     from ray import tune
 
     from examples.digits import build_model, compute_metrics
     from raytrain import Trainer, TrainingArguments
     from raytrain._tune_trial import _fetch_checkpoint
-    from raytrain.checkpoint import verify_checkpoint
+    from raytrain.checkpoint import load_weights, verify_checkpoint
 
     _moto_multipart_fix(monkeypatch)
     with socket.socket() as s:
@@ -241,6 +242,12 @@ def test_cloud_storage_path_persists_the_sweep_and_restores_without_the_local_di
         own = local / f"trial_{best.run_id}"
         path, cloned = _fetch_checkpoint(ckpt, str(own))
         assert path == str(own / "checkpoint-10") and not cloned and verify_checkpoint(path)
+        model = build_model()
+        model.load_state_dict(load_weights(path))
+        model.eval()
+        with torch.no_grad():
+            logits = model(pixels=torch.from_numpy(val["pixels"]))["logits"].numpy()
+        assert compute_metrics((logits, val["labels"]))["accuracy"] == pytest.approx(best.objective, abs=1e-12)
         other = next(t for t in ids if t != best.run_id)
         path, cloned = _fetch_checkpoint(ckpt, str(local / f"trial_{other}"))
         assert cloned and path.endswith(f"trial_{other}/checkpoint-10")
