@@ -12,7 +12,12 @@ from __future__ import annotations
 
 import os
 
+import optuna
+
 STUDY = "optuna.db"
+# (local sweep directory, URI) while Tune restores a URI sweep: the objects below, unpickled from
+# Tune's state, follow them instead of the directory the sweep ran in before (another machine).
+RESTORING_INTO: tuple[str, str] | None = None
 
 
 def display(uri: str) -> str:
@@ -29,6 +34,11 @@ class Mirror:
 
     def __init__(self, local_dir: str, uri: str):
         self.local_dir, self.uri = local_dir, uri
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        if RESTORING_INTO is not None:
+            self.local_dir, self.uri = RESTORING_INTO
 
     def _fs(self):
         import pyarrow.fs
@@ -75,3 +85,18 @@ class Mirror:
             return ""
         scheme = self.uri.split("://", 1)[0]
         return f"{scheme}://{ckpt.path}"
+
+
+
+class StudyStorage(optuna.storages.RDBStorage):
+    """The sweep's SQLite study in <local sweep dir>/optuna.db. Unpickled from Tune's state during a
+    restore (the searcher holds it), it opens the current local directory's copy, fetched from the
+    URI, rather than the path it was created with."""
+
+    def __init__(self, local_dir: str):
+        super().__init__(f"sqlite:///{os.path.join(local_dir, STUDY)}")
+
+    def __setstate__(self, state: dict) -> None:
+        if RESTORING_INTO is not None:
+            state = {**state, "url": f"sqlite:///{os.path.join(RESTORING_INTO[0], STUDY)}"}
+        super().__setstate__(state)

@@ -271,6 +271,9 @@ def hyperparameter_search(trainer, hp_space=None, compute_objective: Callable | 
 
     if restoring:
         print(f"[sweep] resuming {sweep_mirror.display(state_path) if remote else state_path}", flush=True)
+        # Tune unpickles the searcher (its study storage, its Mirror) here and in fit(): they open the
+        # current local directory, wherever the sweep ran before.
+        sweep_mirror.RESTORING_INTO = (sweep_dir, state_path) if remote else None
         tuner = tune.Tuner.restore(state_path, trainable, resume_unfinished=True, resume_errored=False)
     else:
         tuner = _new_tuner(trainable, space, modes, keys, n_trials, scheduler, scheduler_kwargs, max_concurrent,
@@ -280,9 +283,10 @@ def hyperparameter_search(trainer, hp_space=None, compute_objective: Callable | 
     level = quiet.level
     quiet.setLevel(logging.WARNING)  # "Wrote the latest version of all result files ..."
     try:
-        grid = tuner.fit()
+        grid = tuner.fit()  # restores the searcher's state first
     finally:
         quiet.setLevel(level)
+        sweep_mirror.RESTORING_INTO = None
     return _finish(grid, space, keys, modes, sweep_dir, name, tracker, plots, mirror)
 
 
@@ -327,6 +331,7 @@ def _new_tuner(trainable, space, modes, keys, n_trials, scheduler, scheduler_kwa
     import optuna
     from ray import tune
 
+    from .sweep_mirror import StudyStorage
     from .sweep_sampler import make_sampler
 
     single = len(modes) == 1
@@ -335,7 +340,8 @@ def _new_tuner(trainable, space, modes, keys, n_trials, scheduler, scheduler_kwa
         param_space, search_alg = mutations, None
     else:
         mutations, param_space = None, (None if isinstance(space, SearchSpace) else space)
-        storage = optuna.storages.RDBStorage(f"sqlite:///{os.path.join(sweep_dir, 'optuna.db')}")
+        storage = StudyStorage(sweep_dir) if mirror is not None else \
+            optuna.storages.RDBStorage(f"sqlite:///{os.path.join(sweep_dir, 'optuna.db')}")
         search_alg = _search_class()(space=space if isinstance(space, SearchSpace) else None,
                                      metric=keys[0] if single else keys, mode=modes[0] if single else modes,
                                      sampler=make_sampler(sampler, seed, n_trials), study_name=name, storage=storage)

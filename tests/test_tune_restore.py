@@ -204,7 +204,8 @@ def test_cloud_storage_path_persists_the_sweep_and_restores_without_the_local_di
                                  eval_strategy="steps", eval_steps=5, save_steps=5, logging_steps=5,
                                  save_total_limit=1, disable_tqdm=True)
 
-        def search(resume):
+        def search(resume, output_dir):
+            args.output_dir = str(output_dir)
             trainer = Trainer(args=args, model_init=lambda **k: build_model(**k), train_dataset=train,
                               eval_dataset=val, compute_metrics=compute_metrics)
             return trainer.hyperparameter_search({"learning_rate": {"loguniform": [1e-3, 1e-2]}}, n_trials=2,
@@ -212,7 +213,7 @@ def test_cloud_storage_path_persists_the_sweep_and_restores_without_the_local_di
                                                  max_concurrent_trials=1, storage_path=uri, name="cloud",
                                                  resume=resume, plots=False)
 
-        best = search(False)
+        best = search(False, tmp_path / "out")
         local = tmp_path / "out" / "sweeps" / "cloud"
         ids = sorted(best.run_summary["trial_id"])
         assert sorted(p.name for p in local.glob("trial_*")) == [f"trial_{t}" for t in ids]  # trained locally
@@ -229,10 +230,12 @@ def test_cloud_storage_path_persists_the_sweep_and_restores_without_the_local_di
         assert best.checkpoint.startswith(f"s3://bucket/sweeps/cloud/trial_{best.run_id}/checkpoint_")
 
         shutil.rmtree(local)
-        again = search(True)  # from the URI alone
+        local = tmp_path / "elsewhere" / "sweeps" / "cloud"  # as on another machine
+        again = search(True, tmp_path / "elsewhere")  # from the URI alone
         assert again.run_id == best.run_id and again.objective == best.objective
         assert "[sweep] resuming s3://bucket/sweeps/cloud\n" in capsys.readouterr().out  # no credentials shown
         assert sorted(p.name for p in local.glob("trial_*")) == []  # nothing rerun
+        assert not (tmp_path / "out" / "sweeps" / "cloud").exists()  # the restored searcher uses the new directory
         study = optuna.load_study(study_name="cloud", storage=f"sqlite:///{local / 'optuna.db'}")
         assert len(study.trials) == 2  # fetched from the bucket
 
