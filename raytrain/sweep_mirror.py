@@ -5,7 +5,8 @@ report (raytrain's checkpoint directories, uploaded by the trial at each save). 
 is kept on the driver's disk in <output_dir>/sweeps/<name>/ and copied to <uri>/<name>/ by this
 module: the Optuna study (SQLite needs a local file) whenever Tune saves its searcher state, and
 trials.csv and the plots at the end. A restore on a machine without the local directory fetches the
-study first; the trials fetch their checkpoints from Tune (_tune_trial._fetch_checkpoint).
+study first, and the searcher unpickled from Tune's state is pointed at the current local directory
+(StudyStorage, Mirror); the trials fetch their checkpoints from Tune (_tune_trial._fetch_checkpoint).
 """
 
 from __future__ import annotations
