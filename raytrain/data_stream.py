@@ -23,6 +23,7 @@ window is batched while the next is loaded in the background: memory is about tw
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -33,6 +34,8 @@ import torch
 
 from .data import DataError, _as_column, _column_type, _rng, _timed, plan_epoch, rank_span
 from .data_files import _apply, _concat, table_to_numpy
+
+logger = logging.getLogger(__name__)
 
 #: Seconds a window may take to load before the run fails naming what it was reading (not a silent hang).
 DATA_TIMEOUT_ENV = "RAYTRAIN_DATA_TIMEOUT_S"
@@ -74,71 +77,26 @@ class BlockReader(Protocol):
     def describe(self, block: Any) -> str: ...  # the file / row group / Ray block, for messages
 
 
-class StreamSource:
-    """Batches for one rank read from `reader`'s blocks: seeded block order, rank range, window shuffle."""
+class _Layout:
+    """Where one rank's rows of an epoch lie in a stream of `n` rows (the sharding rule, cut into windows):
+    each rank one contiguous range, or (`interleaved`, Ray) windows in groups of world_size. Depends only
+    on these numbers; a resume on another world size rebuilds the interrupted run's layouts from them."""
 
-    kind = "stream"
-
-    def __init__(self, reader: BlockReader, batch_size: int, *, nbytes: int, buffer_bytes: int, name: str,
-                 seed: int = 0, shuffle: bool = True, drop_last: bool = False, rank: int = 0, world_size: int = 1,
-                 collate_fn: Callable | None = None, prefetch_batches: int = 0,
-                 preprocess: Callable | None = None, timeout_s: float | None = None):
-        self.reader, self.name, self.where = reader, name, reader.where
-        # Ray Data blocks arrive while the source is read: epoch 0 in output order, ranks interleaved by window
-        self.in_order = bool(getattr(reader, "arrives_in_order", False))
-        self.batch_size, self.seed, self.shuffle, self.drop_last = batch_size, seed, shuffle, drop_last
-        self.rank, self.world_size, self.collate_fn = rank, world_size, collate_fn
-        self.prefetch_batches, self.preprocess, self.keep = prefetch_batches, preprocess, None
-        self.timeout_s = data_timeout_s(timeout_s)
-        self.num_samples = getattr(reader, "num_rows", None) or sum(b.num_rows for b in self.blocks)
-        if self.num_samples == 0:
-            raise DataError(f"{name} ({self.where}): the dataset is empty (0 rows)")
-        self._num_batches, self._used = plan_epoch(self.num_samples, batch_size, world_size, drop_last, name)
+    def __init__(self, n: int, batch_size: int, world_size: int, rank: int, drop_last: bool, window_rows: int,
+                 interleaved: bool, name: str = "dataset"):
+        self.batch_size, self.world_size, self.rank, self.window_rows = batch_size, world_size, rank, window_rows
+        self.in_order = interleaved
+        self._num_batches, self._used = plan_epoch(n, batch_size, world_size, drop_last, name)
         # This rank's range of the epoch's stream: the rows the sharding rule gives each rank before it.
         sizes = [self._rank_rows(r) for r in range(world_size)]
         self.range_start, self.range_rows = sum(sizes[:rank]), sizes[rank]
-        row_bytes = max(1, nbytes // self.num_samples)
-        self.buffer_rows = max(1, buffer_bytes // row_bytes)  # from the data and settings: same on resume
-        self.window_rows = max(1, self.buffer_rows // batch_size) * batch_size
-        # Data within one window is converted once and kept (two windows at most): the epochs of a small
-        # dataset then cost a join, not a fetch and conversion each (a wait when steps take milliseconds).
-        self.small, self._cache = self.num_samples <= self.buffer_rows, {}
-        # malloc_trim walks the heap (milliseconds on the training thread): worth it for windows that matter
-        self.trim = self.window_rows * row_bytes >= TRIM_BYTES
         # Windows by the batches' first rows (the last batch may be one row longer): the last may be short.
-        self.num_windows = (self._num_batches - 1) * batch_size // self.window_rows + 1
-        self._ahead = None  # ((epoch, k), Future): the window being loaded next
-        self._loader: ThreadPoolExecutor | None = None
-        self.wait_s = 0.0
-        self.all_columns: list[str] | None = None
-        self._wait(0, batch_size)
-        first = self.blocks[0]
-        self._sample = self._read(first, 0, min(first.num_rows, batch_size))
-
-    @property
-    def blocks(self) -> Sequence[Any]:
-        return self.reader.blocks  # a Ray stream's list grows as Ray Data publishes blocks
-
-    def __len__(self) -> int:
-        return self._num_batches
+        self.num_windows = (self._num_batches - 1) * batch_size // window_rows + 1
 
     def _rank_rows(self, r: int) -> int:
         lo, hi = rank_span(self._num_batches - 1, self._num_batches, self._used, self.batch_size,
                            self.world_size, r)
         return (self._num_batches - 1) * self.batch_size + (hi - lo)
-
-    # -- order
-    def block_order(self, epoch: int) -> np.ndarray:
-        n = len(self.blocks)
-        if self.in_order and epoch == 0:
-            return np.arange(n)  # the blocks as they arrive: a rank need not wait for the whole dataset
-        return _rng(self.seed, epoch, 1).permutation(n) if self.shuffle else np.arange(n)
-
-    def _wait(self, epoch: int, rows: int) -> None:
-        """Until the blocks the first `rows` rows of `epoch`'s stream need exist (all of them, for a permuted
-        epoch): a no-op for files; a Ray stream polls what Ray Data has published."""
-        if hasattr(self.reader, "wait_rows"):
-            self.reader.wait_rows(rows) if self.in_order and epoch == 0 else self.reader.wait_all()
 
     def _window_range(self, k: int) -> tuple[int, int]:
         """Window k's rows in this rank's local order: [lo, hi) from the start of the rank's range."""
@@ -160,18 +118,73 @@ class StreamSource:
         lo = tail * ws + sum(self._rank_rows(r) - tail for r in range(self.rank))
         return lo, lo + whi - wlo
 
+
+class StreamSource(_Layout):
+    """Batches for one rank read from `reader`'s blocks: seeded block order, rank range, window shuffle."""
+
+    kind = "stream"
+
+    def __init__(self, reader: BlockReader, batch_size: int, *, nbytes: int, buffer_bytes: int, name: str,
+                 seed: int = 0, shuffle: bool = True, drop_last: bool = False, rank: int = 0, world_size: int = 1,
+                 collate_fn: Callable | None = None, prefetch_batches: int = 0,
+                 preprocess: Callable | None = None, timeout_s: float | None = None):
+        self.reader, self.name, self.where = reader, name, reader.where
+        # Ray Data blocks arrive while the source is read: epoch 0 in output order, ranks interleaved by window
+        self.in_order = bool(getattr(reader, "arrives_in_order", False))
+        self.batch_size, self.seed, self.shuffle, self.drop_last = batch_size, seed, shuffle, drop_last
+        self.rank, self.world_size, self.collate_fn = rank, world_size, collate_fn
+        self.prefetch_batches, self.preprocess, self.keep = prefetch_batches, preprocess, None
+        self.timeout_s = data_timeout_s(timeout_s)
+        self.num_samples = getattr(reader, "num_rows", None) or sum(b.num_rows for b in self.blocks)
+        if self.num_samples == 0:
+            raise DataError(f"{name} ({self.where}): the dataset is empty (0 rows)")
+        row_bytes = max(1, nbytes // self.num_samples)
+        self.buffer_rows = max(1, buffer_bytes // row_bytes)  # from the data and settings: same on resume
+        window_rows = max(1, self.buffer_rows // batch_size) * batch_size
+        _Layout.__init__(self, self.num_samples, batch_size, world_size, rank, drop_last, window_rows,
+                         self.in_order, name)
+        # Data within one window is converted once and kept (two windows at most): the epochs of a small
+        # dataset then cost a join, not a fetch and conversion each (a wait when steps take milliseconds).
+        self.small, self._cache = self.num_samples <= self.buffer_rows, {}
+        # malloc_trim walks the heap (milliseconds on the training thread): worth it for windows that matter
+        self.trim = self.window_rows * row_bytes >= TRIM_BYTES
+        self._remap: _Remap | None = None  # the rest of an epoch interrupted under another layout (resume_at)
+        self._ahead = None  # ((epoch, k), Future): the window being loaded next
+        self._loader: ThreadPoolExecutor | None = None
+        self.wait_s = 0.0
+        self.all_columns: list[str] | None = None
+        self._wait(0, batch_size)
+        first = self.blocks[0]
+        self._sample = self._read(first, 0, min(first.num_rows, batch_size))
+
+    @property
+    def blocks(self) -> Sequence[Any]:
+        return self.reader.blocks  # a Ray stream's list grows as Ray Data publishes blocks
+
+    def __len__(self) -> int:
+        return self._num_batches
+
+    # -- order
+    def block_order(self, epoch: int) -> np.ndarray:
+        n = len(self.blocks)
+        if self.in_order and epoch == 0:
+            return np.arange(n)  # the blocks as they arrive: a rank need not wait for the whole dataset
+        return _rng(self.seed, epoch, 1).permutation(n) if self.shuffle else np.arange(n)
+
+    def _wait(self, epoch: int, rows: int) -> None:
+        """Until the blocks the first `rows` rows of `epoch`'s stream need exist (all of them, for a permuted
+        epoch): a no-op for files; a Ray stream polls what Ray Data has published."""
+        if hasattr(self.reader, "wait_rows"):
+            self.reader.wait_rows(rows) if self.in_order and epoch == 0 else self.reader.wait_all()
+
     def _load_window(self, epoch: int, k: int):
         """Window k's rows as read, in parts (one per block it touches), and its permutation."""
+        if self._remap is not None and self._remap.epoch == epoch:
+            return self._remap.load(self, k)
         wlo, whi = self._window_range(k)
         glo, ghi = self._stream_span(k)  # positions in the epoch's stream
         self._wait(epoch, ghi)
-        order = self.block_order(epoch)
-        starts = np.concatenate([[0], np.cumsum([self.blocks[i].num_rows for i in order])])
-        j = int(np.searchsorted(starts, glo, side="right")) - 1
-        pieces = []
-        while j < len(order) and starts[j] < ghi:
-            pieces.append((self.blocks[order[j]], max(glo, starts[j]) - starts[j], min(ghi, starts[j + 1]) - starts[j]))
-            j += 1
+        pieces = self._pieces(epoch, glo, ghi)
         many = getattr(self.reader, "read_many", None)  # Ray: one fetch, one Arrow table (converted by _window)
         if self.small:  # all data fits one window: each block converted once, windows joined here from them
             self._fill([p[0] for p in pieces])
@@ -182,9 +195,28 @@ class StreamSource:
                 parts = [self._process(table_to_numpy(p, self.name, self.where), None) for p in parts]
         else:
             parts = [self._process(self.reader.read(*piece), piece[0]) for piece in pieces]
-        perm = _rng(self.seed, epoch, 2, self.world_size, self.rank, k).permutation(whi - wlo) \
-            if self.shuffle else None
-        return wlo, parts, perm
+        return wlo, parts, _window_perm(self, epoch, 0, self.world_size, self.rank, k, whi - wlo)
+
+    def _pieces(self, epoch: int, glo: int, ghi: int) -> list[tuple[Any, int, int]]:
+        """(block, lo, hi) of each block holding positions [glo, ghi) of `epoch`'s stream."""
+        order = self.block_order(epoch)
+        starts = np.concatenate([[0], np.cumsum([self.blocks[i].num_rows for i in order])])
+        j = int(np.searchsorted(starts, glo, side="right")) - 1
+        pieces = []
+        while j < len(order) and starts[j] < ghi:
+            pieces.append((self.blocks[order[j]], max(glo, starts[j]) - starts[j], min(ghi, starts[j + 1]) - starts[j]))
+            j += 1
+        return pieces
+
+    def _read_positions(self, epoch: int, pos: np.ndarray) -> dict[str, np.ndarray]:
+        """The rows at ascending stream positions `pos` (a resumed epoch's rest): read in runs of nearby
+        positions, so that a gap of consumed rows between them is never read."""
+        self._wait(epoch, int(pos[-1]) + 1)
+        out = []
+        for run in np.split(pos, np.flatnonzero(np.diff(pos) > self.window_rows) + 1):
+            cols = _concat([self._read(*piece) for piece in self._pieces(epoch, int(run[0]), int(run[-1]) + 1)])
+            out.append({c: v[run - run[0]] for c, v in cols.items()})
+        return _concat(out)
 
     def _window(self, epoch: int, k: int):
         """Window k of `epoch` as one set of columns (the one loaded ahead if it is that one); then start
@@ -206,7 +238,7 @@ class StreamSource:
         cols = _concat([p if isinstance(p, dict) else
                         self._process(table_to_numpy(p, self.name, self.where), None) for p in parts])
         del parts, fut
-        nxt = (epoch, k + 1) if k + 1 < self.num_windows else (epoch + 1, 0)
+        nxt = (epoch, k + 1) if k + 1 < self._lay(epoch)[0].num_windows else (epoch + 1, 0)
         self._ahead = (nxt, self._loader.submit(self._load_window, *nxt))
         return wlo, cols, perm
 
@@ -222,11 +254,20 @@ class StreamSource:
         """Batches of `epoch` from `start`: the window holding `start` is found from row counts alone."""
         return _timed(self, self._batches(epoch, start), self.prefetch_batches)
 
+    def _lay(self, epoch: int) -> tuple[_Layout, int]:
+        """The layout of `epoch` and the batch index it starts at: this source's (from 0), or for an epoch
+        resumed from another layout, that of its rest (ending where this source's epoch ends)."""
+        if self._remap is not None and self._remap.epoch == epoch:
+            return self._remap.layout, self._remap.offset
+        return self, 0
+
     def _batches(self, epoch: int, start: int):
         current, cur_k = None, -1
-        for b in range(start, self._num_batches):
+        lay, offset = self._lay(epoch)
+        for b in range(max(start, offset), self._num_batches):
+            b -= offset
             lo = b * self.batch_size
-            hi = self.range_rows if b == self._num_batches - 1 else lo + self.batch_size
+            hi = lay.range_rows if b == lay._num_batches - 1 else lo + self.batch_size
             k = lo // self.window_rows
             if k != cur_k:
                 current = None  # free this window before the next is joined and the one after is loaded
@@ -291,6 +332,134 @@ class StreamSource:
         return {"kind": self.kind, "num_samples": self.num_samples, "batch_size": self.batch_size,
                 "world_size": self.world_size, "seed": self.seed, "shuffle": self.shuffle,
                 "drop_last": self.drop_last, "buffer_rows": self.buffer_rows, "window_rows": self.window_rows,
-                **({} if self.in_order else {"num_blocks": len(self.blocks)})}  # a Ray stream's grows
+                **({} if self.in_order else {"num_blocks": len(self.blocks)}),  # a Ray stream's grows
+                **({"remap": {"epoch": self._remap.epoch, "levels": self._remap.levels}} if self._remap else {})}
+
+    def resume_at(self, saved: dict) -> int:
+        """The batch at which to resume the epoch of `saved` (a checkpoint's data state: its layout and
+        next_batch). Under the same layout, next_batch. Under another one (world size, batch size,
+        drop_last), exactly the rows that epoch had left: rebuilt from the saved layout (each old rank's
+        rest of its window begun and its windows not begun) and laid out for this world as an epoch of
+        their own, ending where this source's epoch ends; later epochs are this layout's."""
+        epoch, nb = int(saved["epoch"]), int(saved["next_batch"])
+        remap = saved.get("remap") or {}
+        levels = list(remap.get("levels", [])) if remap.get("epoch") == epoch else []
+        bs = int(saved.get("batch_size") or self.batch_size)
+        top = {"world_size": int(saved.get("world_size") or self.world_size), "batch_size": bs,
+               "window_rows": int(saved.get("window_rows") or max(1, self.buffer_rows // bs) * bs),
+               "drop_last": bool(saved.get("drop_last", self.drop_last)), "next_batch": nb}
+        same = all(top[k] == v for k, v in (("world_size", self.world_size), ("batch_size", self.batch_size),
+                                              ("window_rows", self.window_rows), ("drop_last", self.drop_last)))
+        self._remap, self._ahead = None, None
+        if not same:
+            levels.append(top)
+        if not levels:
+            return nb
+        try:
+            self._remap = _Remap(self, epoch, levels)
+        except _TooFew as e:
+            if e.args[0]:
+                logger.warning("%s: the %d samples left of epoch %d cannot give each of %d ranks a batch; they are "
+                               "skipped and epoch %d starts", self.name, e.args[0], epoch, self.world_size, epoch + 1)
+            return self._num_batches
+        return nb if same else self._remap.offset
 
 
+
+
+def _window_perm(src, epoch: int, level: int, world_size: int, rank: int, k: int, n: int) -> np.ndarray | None:
+    """The shuffle of one window: seeded by (seed, epoch, world size, rank, window) and, for the layout of a
+    resumed epoch's rest, its level (how many layouts that epoch was interrupted under)."""
+    if not src.shuffle:
+        return None
+    keys = (2,) if level == 0 else (3, level)
+    return _rng(src.seed, epoch, *keys, world_size, rank, k).permutation(n)
+
+
+class _TooFew(Exception):
+    """A resumed epoch's rest has fewer samples than the new world needs for one batch on every rank."""
+
+
+def _plen(piece) -> int:
+    return piece[1] - piece[0] if isinstance(piece, tuple) else len(piece)
+
+
+class _Rest:
+    """Positions of an epoch's stream in ascending order, as pieces: spans (lo, hi) (windows no rank had
+    begun) and arrays of positions (the unread rows of a window begun: at most one window each)."""
+
+    def __init__(self, pieces: list):
+        merged: list = []
+        for p in sorted((p for p in pieces if _plen(p)), key=lambda p: int(p[0])):
+            if merged and isinstance(p, tuple) and isinstance(merged[-1], tuple) and merged[-1][1] == p[0]:
+                merged[-1] = (merged[-1][0], p[1])
+            else:
+                merged.append(p)
+        self.pieces = merged
+        self.cum = np.concatenate([[0], np.cumsum([_plen(p) for p in merged], dtype=np.int64)])
+        self.n = int(self.cum[-1])
+
+    def slice(self, a: int, b: int) -> list:
+        """The pieces of rest rows [a, b)."""
+        out, i = [], int(np.searchsorted(self.cum, a, side="right")) - 1
+        while i < len(self.pieces) and self.cum[i] < b:
+            p, lo, hi = self.pieces[i], max(a, self.cum[i]) - self.cum[i], min(b, self.cum[i + 1]) - self.cum[i]
+            out.append((p[0] + int(lo), p[0] + int(hi)) if isinstance(p, tuple) else p[lo:hi])
+            i += 1
+        return out
+
+    def positions(self, a: int, b: int) -> np.ndarray:
+        return np.concatenate([np.arange(*p, dtype=np.int64) if isinstance(p, tuple) else p
+                               for p in self.slice(a, b)])
+
+    def take(self, v: np.ndarray) -> np.ndarray:
+        """The stream positions of ascending rest rows `v`."""
+        if not len(v):
+            return v.astype(np.int64)
+        return self.positions(int(v[0]), int(v[-1]) + 1)[v - v[0]]
+
+
+def _rest_after(src, epoch: int, level: int, base: _Rest, lv: dict) -> _Rest:
+    """What `base` (an epoch's rows) had left when its layout `lv` was interrupted at lv["next_batch"]:
+    for each of its ranks, the unread rows of the window it was in and the windows it had not begun."""
+    full = plan_epoch(src.num_samples, lv["batch_size"], lv["world_size"], lv["drop_last"], src.name)[0]
+    pieces: list = []
+    for r in range(lv["world_size"]):
+        lay = _Layout(base.n, lv["batch_size"], lv["world_size"], r, lv["drop_last"], lv["window_rows"],
+                      src.in_order, src.name)
+        done = lv["next_batch"] - (full - lay._num_batches)  # the batches this layout's epoch had given
+        rows = lay.range_rows if done >= lay._num_batches else max(0, done) * lay.batch_size
+        if rows >= lay.range_rows:
+            continue
+        k = rows // lay.window_rows
+        (wlo, whi), (glo, _) = lay._window_range(k), lay._stream_span(k)
+        perm = _window_perm(src, epoch, level, lay.world_size, r, k, whi - wlo)
+        left = perm[rows - wlo:] if perm is not None else np.arange(rows - wlo, whi - wlo)
+        pieces.append(base.take(np.sort(left) + glo))
+        for j in range(k + 1, lay.num_windows):
+            pieces += base.slice(*lay._stream_span(j))
+    return _Rest(pieces)
+
+
+class _Remap:
+    """The layout of an epoch resumed under another layout: the rows its interrupted layouts (`levels`,
+    oldest first) had left, as a stream of their own in ascending order, cut by the sharding rule for this
+    source's world and batch size; its batches end where the source's epoch ends (offset)."""
+
+    def __init__(self, src, epoch: int, levels: list[dict]):
+        rest = _Rest([(0, src.num_samples)])
+        for i, lv in enumerate(levels):
+            rest = _rest_after(src, epoch, i, rest, lv)
+        need = src.batch_size * src.world_size if src.drop_last else src.world_size
+        if rest.n < need:
+            raise _TooFew(rest.n)
+        self.epoch, self.levels, self.rest, self.level = epoch, levels, rest, len(levels)
+        self.layout = _Layout(rest.n, src.batch_size, src.world_size, src.rank, src.drop_last, src.window_rows,
+                              src.in_order, src.name)
+        self.offset = src._num_batches - self.layout._num_batches
+
+    def load(self, src, k: int):
+        lay = self.layout
+        wlo, whi = lay._window_range(k)
+        cols = src._read_positions(self.epoch, self.rest.positions(*lay._stream_span(k)))
+        return wlo, [cols], _window_perm(src, self.epoch, self.level, lay.world_size, lay.rank, k, whi - wlo)

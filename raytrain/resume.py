@@ -219,21 +219,22 @@ def _check_data_compat(run: _Run, saved: dict, path: str) -> None:
     now = {"batch_size": data.batch_size, "world_size": data.world_size, "drop_last": data.drop_last,
            "gradient_accumulation_steps": args.gradient_accumulation_steps}
     mapped = [f"{k} {saved.get(k)} -> {v}" for k, v in now.items() if k in saved and saved[k] != v]
+    resume_at = getattr(data, "resume_at", None)
+    if resume_at is not None:  # a stream lays out exactly the rows the saved epoch had left (data_stream.py)
+        saved["next_batch"] = resume_at(saved)
+        if mapped:
+            logger.warning("%s: resuming with %s: the rest of epoch %d (the samples the saved run had not read, "
+                           "each once) is split between this run's ranks from batch %d", path, "; ".join(mapped),
+                           saved["epoch"], saved["next_batch"])
+        return
     if mapped and saved.get("batch_size") and saved.get("world_size"):
         consumed = saved["next_batch"] * saved["batch_size"] * saved["world_size"]
         global_now = data.batch_size * data.world_size
         saved["next_batch"] = consumed // global_now
         again = consumed - saved["next_batch"] * global_now
-        logger.warning("%s: resuming with %s: epoch %d continues at sample %d of the same order%s%s", path,
+        logger.warning("%s: resuming with %s: epoch %d continues at sample %d of the same order%s", path,
                        "; ".join(mapped), saved["epoch"], consumed,
-                       f" ({again} samples of the last partial global batch are seen again)" if again else "",
-                       _STREAM_REMAP if data.state().get("kind") == "stream" else "")
-
-
-# A stream's windows are cut per rank and batch size (data_stream.py): the position maps, the set does not.
-_STREAM_REMAP = ("; a stream's shuffle windows depend on the world and batch size, so the rest of this epoch "
-                 "is the new layout's from that position: some of its samples may be seen twice and others "
-                 "not at all (later epochs are whole passes)")
+                       f" ({again} samples of the last partial global batch are seen again)" if again else "")
 
 
 def _read_json(path: str) -> dict:

@@ -87,6 +87,8 @@ def test_two_ranks_cover_each_epoch_once_in_a_seeded_order(ray_cluster, tmp_path
         assert runs[0] != runs[1]  # a new order each epoch
         assert _epochs(data, seed=3) == runs  # identical on a re-run
         assert _epochs(data, seed=4) != runs  # and different with another seed
+    # resumed on another world size: exactly the rest of the epoch (Ray's interleaved layout, its blocks)
+    _resumed_elsewhere(lambda world, bs, r: build_source(first, bs, seed=3, rank=r, world_size=world), 90)
 
 
 def test_ray_data_streams_beside_the_reader_and_falls_back_in_one_line(ray_cluster, tmp_path, caplog):
@@ -238,10 +240,53 @@ def test_csv_and_json_stream_in_bounded_windows_and_resume_exactly(tmp_path, fmt
     assert next(iter(source.iter_batches(0)))["x"].dtype == torch.float64
 
 
-def test_a_stream_resumed_with_another_global_batch_maps_the_position_by_samples_consumed(tmp_path, caplog):
-    """World size and batch size enter the position the same way (samples = batch x batch size x world
-    size), so a changed batch size (in-process, no Ray) checks the mapping a changed world size gets: 5 steps
-    of 4 -> the new layout's batch 10 of 2, with the in-memory warning plus what a stream cannot keep."""
+def _resumed_elsewhere(make, n: int, stop: int = 5, worlds=((1, 4), (3, 4), (4, 2))):
+    """Ranks of world 2 (batch 4) read `stop` batches of epoch 0; each other (world, batch size) resumes
+    from that state: its ranks take equal step counts, the epoch's ids are each seen once (none lost, none
+    repeated), a second interruption of the resumed epoch (then world 2 again) keeps that, and epoch 1 is
+    the new world's own whole pass."""
+    old = [make(2, 4, r) for r in range(2)]
+    head = [i for s in old for b in ids(s.iter_batches(0))[:stop] for i in b]
+    saved = {"epoch": 0, "next_batch": stop, **old[0].state()}
+    for world, bs in worlds:
+        new = [make(world, bs, r) for r in range(world)]
+        starts = {s.resume_at(dict(saved)) for s in new}
+        rest = [ids(s.iter_batches(0, *starts)) for s in new]
+        assert len(starts) == 1 and len({len(r) for r in rest}) == 1 and starts.pop() + len(rest[0]) == len(new[0])
+        assert sorted(head + [i for r in rest for b in r for i in b]) == list(range(n))
+        second = {"epoch": 0, "next_batch": len(new[0]) - len(rest[0]) + 1, **new[0].state()}
+        again = [make(2, 4, r) for r in range(2)]
+        tail = [ids(s.iter_batches(0, s.resume_at(dict(second)))) for s in again]
+        assert sorted(head + [i for r in rest for i in r[0]] + [i for r in tail for b in r for i in b]) == \
+            list(range(n))
+        assert [ids(s.iter_batches(1)) for s in new] == [ids(make(world, bs, r).iter_batches(1))
+                                                        for r in range(world)]
+    # the same layout resumes at the saved batch, as the uninterrupted run reads it
+    assert ids(make(2, 4, 1).iter_batches(0, make(2, 4, 1).resume_at(dict(saved)))) == \
+        ids(old[1].iter_batches(0))[stop:]
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_a_stream_resumed_on_another_world_size_reads_exactly_the_rest_of_the_epoch(tmp_path, interleaved):
+    """In-process (sources for each rank, no Ray): files read as one range per rank, and (interleaved) with
+    Ray Data's layout, windows of the ranks interleaved along the stream."""
+    from raytrain.data_stream import _Layout
+    spec = Files(write_parquet(tmp_path / "pq", columns(), files=4, row_group=7), stream=True, buffer_bytes=1500)
+
+    def make(world, bs, rank):
+        s = build_source(spec, bs, seed=3, rank=rank, world_size=world)
+        if interleaved:  # Ray Data's reader says so (arrives_in_order); the layout is the same code
+            s.in_order = True
+            _Layout.__init__(s, s.num_samples, bs, world, rank, False, s.window_rows, True)
+        assert s.window_rows < s.range_rows  # windows begun and not begun at the interruption
+        return s
+    _resumed_elsewhere(make, 103)
+
+
+def test_a_trainer_resumed_with_another_batch_size_reads_exactly_the_rest_of_the_epoch(tmp_path, caplog):
+    """The Trainer's resume goes through the same layout (in-process: a changed batch size; a changed world
+    size enters it the same way): 5 steps of 4, then the 83 ids left in batches of 2 from batch 10 to the
+    epoch's end, each once; then epoch 1 as a fresh run of batch size 2 reads it."""
     import logging
 
     spec = Files(write_parquet(tmp_path / "pq", columns(), files=2, row_group=10), stream=True, buffer_bytes=400)
@@ -249,15 +294,16 @@ def test_a_stream_resumed_with_another_global_batch_maps_the_position_by_samples
     def args(bs, steps):
         return TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=steps, per_device_train_batch_size=bs,
                                  save_steps=5, seed=0, disable_tqdm=True, report_to="none")
-    Trainer(Recorder(4), args(4, 5), train_dataset=spec).train()
-    resumed = Trainer(Recorder(4), args(2, 8), train_dataset=spec)
+    first = Trainer(Recorder(4), args(4, 5), train_dataset=spec)
+    first.train()
+    resumed = Trainer(Recorder(4), args(2, 49), train_dataset=spec)
     with caplog.at_level(logging.WARNING, logger="raytrain.resume"):
         resumed.train(resume_from_checkpoint=True)
-    msg = next(r.getMessage() for r in caplog.records if "continues at sample" in r.getMessage())
-    assert "batch_size 4 -> 2" in msg and "epoch 0 continues at sample 20 of the same order" in msg
-    assert "a stream's shuffle windows depend on the world and batch size" in msg
-    expected = ids(build_source(spec, 2, seed=0).iter_batches(0, 10))
-    assert resumed.model.seen == expected[:3] and resumed.state.global_step == 8
+    msg = next(r.getMessage() for r in caplog.records if "the rest of epoch" in r.getMessage())
+    assert "batch_size 4 -> 2" in msg and "each once) is split between this run's ranks from batch 10" in msg
+    seen = [i for b in first.model.seen + resumed.model.seen[:42] for i in b]
+    assert sorted(seen) == list(range(103)) and len(resumed.model.seen) == 44
+    assert resumed.model.seen[42:] == ids(build_source(spec, 2, seed=0).iter_batches(1))[:2]
 
 
 def test_file_uris_read_through_pyarrow_fs_as_local_paths_do(tmp_path):
