@@ -393,8 +393,11 @@ class Files:
 def build_source(data: Any, batch_size: int, *, seed: int = 0, shuffle: bool = True, drop_last: bool = False,
                  rank: int = 0, world_size: int = 1, collate_fn: Callable | None = None,
                  columns: Sequence[str] | ModelInputs | None = None, prefetch_batches: int | None = None,
-                 name: str = "dataset"):
+                 name: str = "dataset", length_optional: bool = False):
     """A source for `data` (any accepted input), checked against `columns` before any training.
+
+    length_optional: the caller needs no epoch length (training with max_steps, as HF requires for data
+    without one): a ray Dataset Ray cannot count without running it then streams beside training.
 
     columns: the names the model (or collator) needs: a list (all required), or `model_inputs(model)`
     (required arguments must be present; without a collate_fn, columns forward() does not take are
@@ -409,7 +412,8 @@ def build_source(data: Any, batch_size: int, *, seed: int = 0, shuffle: bool = T
         source = files_source(spec, batch_size, columns=wanted, prefetch_batches=prefetch_batches, **kw)
     elif _is_ray(data) or type(data).__name__ in ("RayData", "RayBlocks"):
         from .data_ray import ray_source
-        source = ray_source(data, batch_size, prefetch_batches=prefetch_batches, **kw)
+        source = ray_source(data, batch_size, prefetch_batches=prefetch_batches, length_optional=length_optional,
+                            **kw)
     else:
         source = MapSource(data, batch_size, prefetch_batches=prefetch_batches or 0, **kw)
     check_columns(source, columns, collate_fn)

@@ -30,7 +30,9 @@ def build_loader(data: Any, batch_size: int, args: Any, **kw) -> Any:
         return IterableSource(data, batch_size, rank=kw["rank"], world_size=kw["world_size"],
                               collate_fn=kw["collate_fn"], drop_last=kw["drop_last"], seed=kw["seed"],
                               name=kw["name"])
-    source = build_source(data, batch_size, **kw)
+    # training for max_steps needs no epoch length: a ray Dataset of unknown count streams beside (data_ray.py)
+    length_optional = kw.get("name") == "train_dataset" and getattr(args, "max_steps", 0) > 0
+    source = build_source(data, batch_size, length_optional=length_optional, **kw)
     workers = getattr(args, "dataloader_num_workers", 0)
     if workers and hasattr(source, "batch_indices") and hasattr(source, "_fetch"):
         return WorkerPool(source, workers, pin_memory=args.dataloader_pin_memory and torch.cuda.is_available(),

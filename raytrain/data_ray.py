@@ -110,6 +110,7 @@ class RayBlocks:
     def __init__(self, spec: RayData, where: str, num_rows: int, blocks: list[RayBlock] | None = None,
                  row_bytes: int | None = None, board: Any = None, remote: bool = False):
         self.where, self.total_rows, self.board, self.remote = where, num_rows, board, remote
+        self.length_known = num_rows is not None  # else learnt when Ray Data ends (a train set with max_steps)
         self.blocks: list[RayBlock] = list(blocks or [])
         self.row_bytes = row_bytes
         self.complete = board is None
@@ -138,7 +139,16 @@ class RayBlocks:
     @property
     def nbytes(self) -> int:
         self.wait_rows(1)
-        return max(1, (self.row_bytes or 1) * self.total_rows)
+        return max(1, (self.row_bytes or 1) * (self.total_rows or self._rows))
+
+    @property
+    def published_rows(self) -> int:
+        return self._rows
+
+    def refresh(self) -> None:
+        """Take what Ray Data has published since the last look (no wait)."""
+        if not self.complete:
+            self._poll()
 
     def describe(self, blk: RayBlock) -> str:
         return f"{self.where}, block {blk.index}"
@@ -156,6 +166,8 @@ class RayBlocks:
                 self._rows += n
             if error:
                 raise DataError(error)
+            if done and self.total_rows is None:
+                self.total_rows = self._rows  # the count of a stream of unknown length, now that it ended
             self.complete = done  # every entry published is taken above
 
     def wait_rows(self, rows: int) -> None:
@@ -172,7 +184,7 @@ class RayBlocks:
 
     def wait_all(self) -> None:
         """Until Ray Data has published every block (later epochs permute the whole list)."""
-        self.wait_rows(self.total_rows + 1)
+        self.wait_rows(self.total_rows + 1 if self.total_rows is not None else float("inf"))
 
     def close(self) -> None:
         """The owner lets the blocks go (after the run); an actor board ends with it."""
@@ -213,10 +225,11 @@ class RayBlocks:
                             f"different schemas ({str(e).splitlines()[0]})") from None
 
 
-def ray_source(data: Any, batch_size: int, *, name: str, prefetch_batches: int | None = None, **kw) -> StreamSource:
+def ray_source(data: Any, batch_size: int, *, name: str, prefetch_batches: int | None = None,
+               length_optional: bool = False, **kw) -> StreamSource:
     """A StreamSource over a ray Dataset / DataIterator / RayData (started here, streaming beside this
-    process when its row count is known) or RayBlocks (as handed by the driver)."""
-    blocks = data if isinstance(data, RayBlocks) else start(data, name)
+    process when its row count is known or need not be) or RayBlocks (as handed by the driver)."""
+    blocks = data if isinstance(data, RayBlocks) else start(data, name, length_optional=length_optional)
     blocks.name = name
     blocks.wait_rows(1)  # the first block: bytes per row (window size) and the columns
     pf = blocks.prefetch_batches if prefetch_batches is None else prefetch_batches
@@ -245,19 +258,22 @@ def _prepare(data: Any, name: str):
     return spec, ds, f"{what} {stage}", stage
 
 
-def start(data: Any, name: str = "dataset", *, spare_cpus: float | None = None, remote: bool = False) -> RayBlocks:
+def start(data: Any, name: str = "dataset", *, spare_cpus: float | None = None, remote: bool = False,
+          length_optional: bool = False) -> RayBlocks:
     """Start Ray Data on the dataset: streaming beside the reader when its row count is known without
-    executing and (spare_cpus given: the CPUs training leaves free) its stages fit beside training;
-    else executed in full first, with one info line saying why."""
+    executing, or need not be (`length_optional`: a train set with max_steps; the count is learnt when
+    Ray Data ends), and (spare_cpus given: the CPUs training leaves free) its stages fit beside
+    training; else executed in full first, with one info line saying why."""
     spec, ds, where, stage = _prepare(data, name)
     count, why = _row_count(spec, ds, stage)
-    if count is not None and spare_cpus is not None:
+    beside = count is not None or length_optional
+    if beside and spare_cpus is not None:
         need, op = _data_cpus(ds)
         if need > spare_cpus:
-            count, why = None, (f"its stage {op} needs {need:g} CPU(s) and the cluster has {spare_cpus:g} beside the "
-                                f"training workers; give it {need - spare_cpus:g} more CPU(s) (ray.init(num_cpus=...), "
-                                "fewer workers, or a lower num_cpus in map_batches)")
-    if count is None:
+            beside, why = False, (f"its stage {op} needs {need:g} CPU(s) and the cluster has {spare_cpus:g} beside "
+                                  f"the training workers; give it {need - spare_cpus:g} more CPU(s) (ray.init("
+                                  "num_cpus=...), fewer workers, or a lower num_cpus in map_batches)")
+    if not beside:
         logger.info("%s: Ray Data executes it in full before training: %s", name, why)
         return execute(spec, name)
     if count == 0:
@@ -311,13 +327,13 @@ def _publish(ds, blocks: RayBlocks, name: str, stage: str, timeout: float) -> No
         for bundle in _bundles(ds, name, where, stage, timeout):
             entries = list(_entries(bundle))
             rows += sum(e[2] for e in entries)
-            if rows > expected:
+            if expected is not None and rows > expected:
                 raise DataError(_miscount(name, where, expected, f"more than {expected}"))
             if blocks.closed:  # the run ended before the data did: stop Ray Data
                 return
             blocks._keep.extend(e[0] for e in entries)
             call("add", entries)
-        if rows != expected:
+        if expected is not None and rows != expected:
             raise DataError(_miscount(name, where, expected, str(rows)))
         call("end", None)
     except DataError as e:
@@ -410,7 +426,8 @@ def _failed(name: str, where: str, error: BaseException, count: int) -> str:
 def blocks_for_workers(trainer, scaling=None) -> dict[str, RayBlocks]:
     """Driver side: start Ray Data on the trainer's ray Datasets and hand every worker the same blocks
     (launch.py passes them in the train-loop config). Beside training when the cluster's CPUs cover the
-    training workers (`scaling`, a ScalingConfig) and the data's stages, else executed first."""
+    training workers (`scaling`, a ScalingConfig) and the data's stages, and the row count is known
+    without executing or (the train set, max_steps set) need not be; else executed first."""
     import ray
     spare = None
     if scaling is not None:
@@ -419,5 +436,6 @@ def blocks_for_workers(trainer, scaling=None) -> dict[str, RayBlocks]:
     for key in ("train_dataset", "eval_dataset"):
         value = getattr(trainer, key, None)
         if value is not None and (_is_ray(value) or isinstance(value, RayData)):
-            out[key] = start(value, key, spare_cpus=spare, remote=True)
+            out[key] = start(value, key, spare_cpus=spare, remote=True,
+                             length_optional=key == "train_dataset" and trainer.args.max_steps > 0)
     return out

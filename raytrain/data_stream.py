@@ -98,10 +98,13 @@ class _Layout:
                            self.world_size, r)
         return (self._num_batches - 1) * self.batch_size + (hi - lo)
 
+    def _last(self, k: int) -> bool:
+        return self.num_windows is not None and k == self.num_windows - 1  # None: a count not known yet
+
     def _window_range(self, k: int) -> tuple[int, int]:
         """Window k's rows in this rank's local order: [lo, hi) from the start of the rank's range."""
         lo = k * self.window_rows
-        return lo, self.range_rows if k == self.num_windows - 1 else lo + self.window_rows
+        return lo, self.range_rows if self._last(k) else lo + self.window_rows
 
     def _stream_span(self, k: int) -> tuple[int, int]:
         """Window k's rows as positions [lo, hi) in the epoch's stream. Contiguous: each rank one range of
@@ -111,7 +114,7 @@ class _Layout:
         if not self.in_order:
             return self.range_start + wlo, self.range_start + whi
         w, ws = self.window_rows, self.world_size
-        if k < self.num_windows - 1:
+        if not self._last(k):
             lo = (k * ws + self.rank) * w
             return lo, lo + w
         tail = (self.num_windows - 1) * w  # rows before the last window, the same on every rank
@@ -135,17 +138,28 @@ class StreamSource(_Layout):
         self.rank, self.world_size, self.collate_fn = rank, world_size, collate_fn
         self.prefetch_batches, self.preprocess, self.keep = prefetch_batches, preprocess, None
         self.timeout_s = data_timeout_s(timeout_s)
-        self.num_samples = getattr(reader, "num_rows", None) or sum(b.num_rows for b in self.blocks)
+        # A Ray stream of a dataset Ray cannot count without running it (map_batches, filter), trained for
+        # max_steps: epoch 0's length is learnt when Ray Data ends (_learn); the source then has no len().
+        self.length_known = getattr(reader, "length_known", True)
+        if self.length_known:
+            self.num_samples = getattr(reader, "num_rows", None) or sum(b.num_rows for b in self.blocks)
+            row_bytes = max(1, nbytes // max(1, self.num_samples))
+        else:
+            reader.wait_rows(batch_size)
+            self.num_samples, row_bytes = (None if self.blocks else 0), max(1, reader.row_bytes or 1)
         if self.num_samples == 0:
             raise DataError(f"{name} ({self.where}): the dataset is empty (0 rows)")
-        row_bytes = max(1, nbytes // self.num_samples)
         self.buffer_rows = max(1, buffer_bytes // row_bytes)  # from the data and settings: same on resume
         window_rows = max(1, self.buffer_rows // batch_size) * batch_size
-        _Layout.__init__(self, self.num_samples, batch_size, world_size, rank, drop_last, window_rows,
-                         self.in_order, name)
+        if self.length_known:
+            _Layout.__init__(self, self.num_samples, batch_size, world_size, rank, drop_last, window_rows,
+                             self.in_order, name)
+        else:  # what does not depend on the count; the rest once it is known (_learn)
+            self.window_rows = window_rows
+            self._num_batches = self._used = self.range_start = self.range_rows = self.num_windows = None
         # Data within one window is converted once and kept (two windows at most): the epochs of a small
         # dataset then cost a join, not a fetch and conversion each (a wait when steps take milliseconds).
-        self.small, self._cache = self.num_samples <= self.buffer_rows, {}
+        self.small, self._cache = self.length_known and self.num_samples <= self.buffer_rows, {}
         # malloc_trim walks the heap (milliseconds on the training thread): worth it for windows that matter
         self.trim = self.window_rows * row_bytes >= TRIM_BYTES
         self._remap: _Remap | None = None  # the rest of an epoch interrupted under another layout (resume_at)
@@ -162,7 +176,42 @@ class StreamSource(_Layout):
         return self.reader.blocks  # a Ray stream's list grows as Ray Data publishes blocks
 
     def __len__(self) -> int:
+        if not self.length_known:  # fixed when built, so that a resumed run plans its steps alike
+            raise TypeError(f"{self.name}: a Ray Data stream whose row count is learnt when it ends has no length")
         return self._num_batches
+
+    def _learn(self) -> bool:
+        """Whether the count is known: for a stream of unknown length, whether Ray Data has ended (its
+        layout is then the sharding rule's, as if the count had been known up front)."""
+        if self._num_batches is None:
+            self.reader.refresh()
+            if not self.reader.complete:
+                return False
+            _Layout.__init__(self, self.reader.num_rows, self.batch_size, self.world_size, self.rank,
+                             self.drop_last, self.window_rows, self.in_order, self.name)
+            self.num_samples = self.reader.num_rows
+        return True
+
+    def _full_windows(self) -> int:
+        """Windows of epoch 0 certainly whole and not the last, whatever the count turns out to be: those of
+        the rows published so far but the last (a larger count never has fewer windows)."""
+        try:
+            return _Layout(self.reader.published_rows, self.batch_size, self.world_size, self.rank,
+                           self.drop_last, self.window_rows, True).num_windows - 1
+        except DataError:  # fewer rows than one batch per rank so far
+            return 0
+
+    def _has_window(self, epoch: int, k: int) -> bool:
+        """Whether `epoch` has window k. Unknown length: waits until Ray Data has published enough rows to
+        prove it whole (its place and rows do not depend on the count) or has ended (count known)."""
+        while not self._learn():
+            if epoch == 0 and k < self._full_windows():
+                return True
+            if epoch > 0:
+                self.reader.wait_all()
+            else:
+                self.reader.wait_rows(self.reader.published_rows + 1)
+        return k < self._lay(epoch)[0].num_windows
 
     # -- order
     def block_order(self, epoch: int) -> np.ndarray:
@@ -238,9 +287,17 @@ class StreamSource(_Layout):
         cols = _concat([p if isinstance(p, dict) else
                         self._process(table_to_numpy(p, self.name, self.where), None) for p in parts])
         del parts, fut
-        nxt = (epoch, k + 1) if k + 1 < self._lay(epoch)[0].num_windows else (epoch + 1, 0)
-        self._ahead = (nxt, self._loader.submit(self._load_window, *nxt))
+        nxt = self._next_window(epoch, k)
+        if nxt is not None:
+            self._ahead = (nxt, self._loader.submit(self._load_window, *nxt))
         return wlo, cols, perm
+
+    def _next_window(self, epoch: int, k: int) -> tuple[int, int] | None:
+        """The window after k (the next epoch's first after the last); None while a stream of unknown length
+        cannot tell yet (it is then loaded when asked for)."""
+        if not self._learn():
+            return (epoch, k + 1) if epoch == 0 and k + 1 < self._full_windows() else None
+        return (epoch, k + 1) if k + 1 < self._lay(epoch)[0].num_windows else (epoch + 1, 0)
 
     def _window_blocks(self, epoch: int, k: int) -> str:
         if not self.blocks:
@@ -264,16 +321,23 @@ class StreamSource(_Layout):
     def _batches(self, epoch: int, start: int):
         current, cur_k = None, -1
         lay, offset = self._lay(epoch)
-        for b in range(max(start, offset), self._num_batches):
-            b -= offset
+        b = max(start, offset) - offset
+        while lay._num_batches is None or b < lay._num_batches:  # None: epoch 0 of unknown length
             lo = b * self.batch_size
-            hi = lay.range_rows if b == lay._num_batches - 1 else lo + self.batch_size
             k = lo // self.window_rows
             if k != cur_k:
                 current = None  # free this window before the next is joined and the one after is loaded
+                if not self._has_window(epoch, k):
+                    return
+                lay = self._lay(epoch)[0]  # a stream of unknown length may have learnt it
+                if lay._num_batches is not None and b >= lay._num_batches:
+                    return
                 if self.trim:  # before the join: trimmed later, the freed window stays resident beside the new
                     _trim()
                 current, cur_k = self._window(epoch, k), k
+            last = lay._num_batches is not None and b == lay._num_batches - 1
+            hi = lay.range_rows if last else lo + self.batch_size
+            b += 1
             wlo, perm = current[0], current[2]  # no other name may hold the window past its switch
             local = np.arange(lo - wlo, hi - wlo)
             idx = perm[local] if perm is not None else local
@@ -329,7 +393,8 @@ class StreamSource(_Layout):
         return {k: _column_type(_as_column(v, k, self.name)) for k, v in self._sample.items()}
 
     def state(self) -> dict:
-        return {"kind": self.kind, "num_samples": self.num_samples, "batch_size": self.batch_size,
+        return {"kind": self.kind, **({"num_samples": self.num_samples} if self.length_known else {}),
+                "batch_size": self.batch_size,
                 "world_size": self.world_size, "seed": self.seed, "shuffle": self.shuffle,
                 "drop_last": self.drop_last, "buffer_rows": self.buffer_rows, "window_rows": self.window_rows,
                 **({} if self.in_order else {"num_blocks": len(self.blocks)}),  # a Ray stream's grows
@@ -351,6 +416,9 @@ class StreamSource(_Layout):
         same = all(top[k] == v for k, v in (("world_size", self.world_size), ("batch_size", self.batch_size),
                                               ("window_rows", self.window_rows), ("drop_last", self.drop_last)))
         self._remap, self._ahead = None, None
+        if not same and not self._learn():  # the rest needs the count: Ray Data's pass must end first
+            self.reader.wait_all()
+            self._learn()
         if not same:
             levels.append(top)
         if not levels:

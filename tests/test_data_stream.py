@@ -74,9 +74,12 @@ def test_two_ranks_cover_each_epoch_once_in_a_seeded_order(ray_cluster, tmp_path
     # Each runs once here; the sources of every rank and run below share its blocks, as workers do.
     first = start(RayData(_ray_items(90), buffer_bytes=400))
     beside = start(RayData(_ray_items(90), buffer_bytes=400, num_rows=90))
-    assert first.complete and not beside.complete
+    # a train set with max_steps needs no count: streamed too, its epoch 0 ends when Ray Data does
+    unknown = start(RayData(_ray_items(90), buffer_bytes=400), length_optional=True)
+    assert first.complete and not beside.complete and not unknown.length_known
     # the same order whichever way Ray Data ran: a resumed run may take the other way
-    assert _epochs(beside, seed=3, world_size=3) == _epochs(first, seed=3, world_size=3)
+    assert _epochs(beside, seed=3, world_size=3) == _epochs(first, seed=3, world_size=3) == \
+        _epochs(unknown, seed=3, world_size=3)
     for data, n in ((parquet, 103), (first, 90)):
         runs = _epochs(data, seed=3)
         for per_rank in runs:
@@ -116,6 +119,26 @@ def test_ray_data_streams_beside_the_reader_and_falls_back_in_one_line(ray_clust
     assert [i for b in head for i in b] + [i for b in batches for i in b["id"].tolist()] == list(range(100))
     assert len(next(source.iter_batches(1))["id"]) == 4  # epoch 1 permutes all blocks: it waits for the end
     assert source.reader.complete and len(source.blocks) == 5
+    # No count (map_batches may change it) and training for max_steps: streamed beside as well. A window is
+    # read once the rows published prove it is not the last (whose place needs the count): here the first
+    # of 20 rows once 40 exist. The epoch ends when Ray Data's does, with the sharding rule's tail.
+    gate.unlink()
+
+    def held_later(batch):
+        while batch["id"][0] >= 40 and not gate.exists():
+            time.sleep(0.05)
+        return batch
+    ds = ray.data.range(100, override_num_blocks=5).map_batches(held_later, batch_format="numpy")
+    alone = build_source(RayData(ds, buffer_bytes=160), 4, seed=0, shuffle=False, length_optional=True)
+    with pytest.raises(TypeError, match="has no length"):
+        len(alone)
+    assert next(alone.iter_batches(0))["id"].tolist() == [0, 1, 2, 3] and not alone.reader.complete
+    gate.write_text("")
+    ranks = [build_source(alone.reader, 4, seed=0, rank=r, world_size=3) for r in range(3)]
+    epochs = [[[b["id"].tolist() for b in s.iter_batches(e)] for s in ranks] for e in (0, 1)]
+    for per_rank in epochs:
+        assert {len(r) for r in per_rank} == {9}
+        assert sorted(i for r in per_rank for b in r for i in b) == list(range(100))
     with caplog.at_level(logging.INFO, logger="raytrain.data_ray"):
         assert start(ray.data.range(10).map_batches(_featurize_ids), "train_dataset", spare_cpus=8).complete
         assert start(ray.data.range(10), "train_dataset", spare_cpus=0.5).complete
@@ -126,6 +149,30 @@ def test_ray_data_streams_beside_the_reader_and_falls_back_in_one_line(ray_clust
                                "its rows without running it (MapBatches(featurize_range) may change the row count)")
     assert "its stage ReadRange needs 1 CPU(s) and the cluster has 0.5 beside the training workers; give it 0.5 " \
            "more CPU(s)" in lines[1]
+
+
+def test_a_trainer_streams_a_dataset_ray_cannot_count_when_max_steps_is_set(ray_cluster, tmp_path, caplog):
+    """In-process: map_batches with no num_rows and max_steps 30 streams beside training (no info line of an
+    execution first); the steps, their ids and the weights are those of the counted run (23 batches of 4
+    per epoch: the epoch ends when Ray Data's does), and a resume at step 10 reads what it read from there."""
+    import logging
+
+    def run(out, data, **kw):
+        args = TrainingArguments(output_dir=str(tmp_path / out), max_steps=30, per_device_train_batch_size=4,
+                                 learning_rate=0.1, save_steps=10, seed=0, disable_tqdm=True, report_to="none")
+        trainer = Trainer(Recorder(), args, train_dataset=data)
+        trainer.train(**kw)
+        return trainer
+    counted = run("counted", RayData(_ray_items(90), buffer_bytes=400, num_rows=90))
+    with caplog.at_level(logging.INFO, logger="raytrain.data_ray"):
+        unknown = run("unknown", RayData(_ray_items(90), buffer_bytes=400))
+    assert not [r for r in caplog.records if "executes it in full" in r.getMessage()]
+    assert unknown.model.seen == counted.model.seen
+    assert state_digest(unknown.model.state_dict()) == state_digest(counted.model.state_dict())
+    assert sorted(i for b in unknown.model.seen[:23] for i in b) == list(range(90))
+    resumed = run("unknown", RayData(_ray_items(90), buffer_bytes=400),
+                  resume_from_checkpoint=str(tmp_path / "unknown" / "checkpoint-10"))
+    assert resumed.model.seen == counted.model.seen[10:]
 
 
 def test_map_batches_runs_in_a_ray_process_not_the_trainers(ray_cluster):
@@ -346,7 +393,9 @@ def test_a_worker_sigkilled_mid_epoch_resumes_bit_exact_with_exact_passes(ray_cl
                                  save_steps=5, logging_steps=5, seed=0, disable_tqdm=True, report_to="none",
                                  scaling={"num_workers": 2, "storage_path": str(tmp_path / "ray"), **kw},
                                  distributed={"strategy": "ddp"})
-    data = RayData(_ray_items(90), buffer_bytes=400, num_rows=90)  # streamed beside training (4 CPUs, 2 workers)
+    # streamed beside training (4 CPUs, 2 workers); no count (map_batches): max_steps bounds training and
+    # epoch 0 ends when Ray Data's pass does
+    data = RayData(_ray_items(90), buffer_bytes=400)
     reference = Trainer(Recorder(), args(tmp_path / "ref"), train_dataset=data, callbacks=[IdLog()])
     reference.train()
 

@@ -40,7 +40,7 @@ def describe_run(args, state, model=None, train_dataloader=None) -> str:
     if model is not None:
         n = sum(p.numel() for p in model.parameters())
         parts.append(f"{type(getattr(model, 'module', model)).__name__} ({_count(n)} parameters)")
-    if train_dataloader is not None and hasattr(train_dataloader, "num_samples"):
+    if _len(train_dataloader) is not None and hasattr(train_dataloader, "num_samples"):  # a stream has no length
         parts.append(f"{train_dataloader.num_samples} training samples, {len(train_dataloader)} batches per "
                      "epoch" + (" per process" if args.scaling.num_workers > 1 else ""))
     epochs = state.num_train_epochs
@@ -192,7 +192,7 @@ class ProgressFeeder(TrainerCallback):
 
     def on_train_begin(self, args, state, control, train_dataloader=None, **kwargs):
         data = None
-        if train_dataloader is not None and hasattr(train_dataloader, "num_samples"):
+        if _len(train_dataloader) is not None and hasattr(train_dataloader, "num_samples"):  # a stream has none
             data = (train_dataloader.num_samples, len(train_dataloader))
         self._push(("begin", _state(state), data), now=True)
 
