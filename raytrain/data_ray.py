@@ -291,19 +291,32 @@ def _row_count(spec: RayData, ds, stage: str) -> tuple[int | None, str]:
     """The row count Ray can give without executing the plan (or the user's), else None and why not."""
     if spec.num_rows is not None:
         return int(spec.num_rows), ""
-    count = ds._meta_count()  # Ray's metadata: a read of known size through row-preserving stages; never runs
+    count = _private(lambda: ds._meta_count())  # a read of known size through row-preserving stages; never runs
     if count is not None:
         return int(count), ""
-    dag = ds._logical_plan.dag
-    if not dag.input_dependencies and "parquet" in dag.name.lower():
+    if _private(lambda: not ds._logical_plan.dag.input_dependencies and "parquet" in ds._logical_plan.dag.name.lower()):
         return int(ds.count()), ""  # a bare Parquet read: Ray counts it reading no column (file footers)
     return None, (f"Ray cannot count its rows without running it ({stage} may change the row count); "
                   "RayData(ds, num_rows=N) streams it beside training")
 
 
+def _private(get):
+    """What Ray gives only through private attributes (Ray 2.60 has no public row count that never executes:
+    Dataset.count() runs the plan when the metadata lacks it), or None if this Ray version differs."""
+    try:
+        return get()
+    except Exception:  # renamed or changed in another Ray: treated as not known, never an error
+        return None
+
+
 def _data_cpus(ds) -> tuple[float, str]:
     """The most CPUs one stage needs to make progress (its num_cpus, times an actor pool's minimum size)."""
-    need, what, todo = 0.0, "", [ds._logical_plan.dag]
+    need = _private(lambda: _stage_cpus(ds._logical_plan.dag))
+    return need if need is not None else (1.0, "of the dataset")  # unknown: one CPU, as Ray Data's default
+
+
+def _stage_cpus(dag) -> tuple[float, str]:
+    need, what, todo = 0.0, "", [dag]
     while todo:
         op = todo.pop()
         todo += list(op.input_dependencies)
