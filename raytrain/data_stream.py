@@ -170,6 +170,9 @@ class StreamSource(_Layout):
         self._wait(0, batch_size)
         first = self.blocks[0]
         self._sample = self._read(first, 0, min(first.num_rows, batch_size))
+        if self.small:  # its one window is what any batch of epoch 0 needs: loaded while the model is set up
+            self._loader = ThreadPoolExecutor(1, thread_name_prefix="raytrain-window")
+            self._ahead = ((0, 0), self._loader.submit(self._load_window, 0, 0))
 
     @property
     def blocks(self) -> Sequence[Any]:
@@ -235,16 +238,22 @@ class StreamSource(_Layout):
         self._wait(epoch, ghi)
         pieces = self._pieces(epoch, glo, ghi)
         many = getattr(self.reader, "read_many", None)  # Ray: one fetch, one Arrow table (converted by _window)
+        joined = False  # small data is joined in this thread (a large window after the last one is let go)
         if self.small:  # all data fits one window: each block converted once, windows joined here from them
             self._fill([p[0] for p in pieces])
-            parts = [_concat([{c: v[lo:hi] for c, v in self._cached(blk).items()} for blk, lo, hi in pieces])]
+            parts, joined = [_concat([{c: v[lo:hi] for c, v in self._cached(blk).items()}
+                                      for blk, lo, hi in pieces])], True
         elif many is not None:
             parts = many(pieces)
             if self.num_windows == 1 and whi - wlo < self.window_rows:  # small data: convert off the training thread
-                parts = [self._process(table_to_numpy(p, self.name, self.where), None) for p in parts]
+                parts, joined = [_concat([self._process(table_to_numpy(p, self.name, self.where), None)
+                                          for p in parts])], True
         else:
             parts = [self._process(self.reader.read(*piece), piece[0]) for piece in pieces]
-        return wlo, parts, _window_perm(self, epoch, 0, self.world_size, self.rank, k, whi - wlo)
+        perm = _window_perm(self, epoch, 0, self.world_size, self.rank, k, whi - wlo)
+        if joined and perm is not None:  # shuffled here too: each batch is then a slice, no gather per step
+            parts, perm = [{c: v[perm] for c, v in parts[0].items()}], False
+        return wlo, parts, perm
 
     def _pieces(self, epoch: int, glo: int, ghi: int) -> list[tuple[Any, int, int]]:
         """(block, lo, hi) of each block holding positions [glo, ghi) of `epoch`'s stream."""
@@ -339,6 +348,9 @@ class StreamSource(_Layout):
             hi = lay.range_rows if last else lo + self.batch_size
             b += 1
             wlo, perm = current[0], current[2]  # no other name may hold the window past its switch
+            if perm is False:  # the window is in batch order already (a fresh copy): slices, no gather
+                yield self._assemble({name: v[lo - wlo:hi - wlo] for name, v in current[1].items()})
+                continue
             local = np.arange(lo - wlo, hi - wlo)
             idx = perm[local] if perm is not None else local
             yield self._assemble({name: v[idx] for name, v in current[1].items()})
@@ -415,7 +427,8 @@ class StreamSource(_Layout):
                "drop_last": bool(saved.get("drop_last", self.drop_last)), "next_batch": nb}
         same = all(top[k] == v for k, v in (("world_size", self.world_size), ("batch_size", self.batch_size),
                                               ("window_rows", self.window_rows), ("drop_last", self.drop_last)))
-        self._remap, self._ahead = None, None
+        if self._remap is not None or levels or not same:  # windows loaded ahead were of another layout
+            self._remap, self._ahead = None, None
         if not same and not self._learn():  # the rest needs the count: Ray Data's pass must end first
             self.reader.wait_all()
             self._learn()
