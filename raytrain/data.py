@@ -9,7 +9,7 @@ per rank per epoch), `iter_batches(epoch, start)`, `state()`, `schema`, `num_sam
   when the data fits `Files.in_memory_bytes` (from file metadata / file sizes), else StreamSource
 - a `ray.data.Dataset` (its `map_batches` stages run as Ray tasks/actors), `RayData(ds, ...)`, or a
   `ray.data.DataIterator` over a whole dataset: run once, in order, by Ray Data, beside
-  training when its row count and spare CPUs allow, else before it (data_ray.py)          -> StreamSource
+  training when its row count (or max_steps) and spare CPUs allow, else before it (data_ray.py) -> StreamSource
 
 MapSource (data in memory): an epoch's order is a seeded permutation of all rows (seed, epoch); it is
 cut into global batches of `batch_size * world_size` and rank r takes the r-th of `world_size`
@@ -25,7 +25,9 @@ global batch, so a rank's last batch may be one sample larger. Fewer samples tha
 
 Resume. The position is (epoch, batch index); `iter_batches(epoch, start)` jumps there by arithmetic:
 MapSource slices the permutation, StreamSource finds the window from block row counts and reads that
-window only. Nothing consumed is read again.
+window only. Nothing consumed is read again. On another world size or batch size, MapSource continues
+at the same sample position of the same order (the partial global batch is seen again, as HF);
+StreamSource.resume_at lays out exactly the rows the saved epoch had left for the new ranks.
 
 Ray Train. launch.py starts Ray Data on the trainer's ray Datasets on the driver (data_ray.blocks_for_workers)
 and hands every worker the stream (block references as Ray Data publishes them); each worker then

@@ -10,13 +10,19 @@ epochs reuse them. Ranks read their windows (data_stream.py) as soon as the bloc
 
 Beside training, what cannot be known before the data exists, and how raytrain decides:
 
-- Row count. Epoch length, equal steps per rank and the LR schedule need it up front. It is taken from
-  Ray without executing (`Dataset._meta_count`: a read whose size Ray knows, e.g. `range`, `from_items`,
-  then stages Ray declares row-preserving, e.g. `map`, `select_columns`), from `ds.count()` when the
-  plan is only a Parquet read (Ray counts it from the file footers), or from the user
-  (`RayData(ds, num_rows=N)`; the stream checks it and fails in one line if the data disagrees). Ray
-  declares `map_batches`, `filter` and `flat_map` may change the row count: without `num_rows` such a
-  dataset is executed in full before training (today's path), said in one info line.
+- Row count. Epoch length, equal steps per rank and the LR schedule need it up front, unless training
+  runs for max_steps (as HF requires of data without a length). It is taken from Ray without executing
+  (`Dataset._meta_count`: a read whose size Ray knows, e.g. `range`, `from_items`, then stages Ray
+  declares row-preserving, e.g. `map`, `select_columns`), from `ds.count()` when the plan is only a
+  Parquet read (Ray counts it from the file footers), or from the user (`RayData(ds, num_rows=N)`; the
+  stream checks it and fails in one line if the data disagrees). Ray declares `map_batches`, `filter`
+  and `flat_map` may change the row count. Such a train set with max_steps > 0 streams beside
+  training all the same: its count is learnt when Ray Data ends, the epoch ends when its batches do,
+  and until then each rank reads only windows the rows published prove whole (data_stream.py), so
+  order, equal steps and coverage are those of a known count. Otherwise (no max_steps, an eval set)
+  it is executed in full before training, said in one info line. Ray 2.60 has no public count that
+  never executes (`count()` runs the plan when the metadata lacks it), so `_meta_count` and the plan
+  are read through one guard (`_private`): if another Ray changes them, the count is "not known".
 - Order. Epoch 0 reads the blocks in output order (fixed by preserve_order), later epochs a seeded
   permutation of the then-known blocks; within a rank, windows are shuffled by (seed, epoch, rank,
   window). Ranks take windows interleaved along the stream (rank r the r-th window of each group of
@@ -27,6 +33,9 @@ Beside training, what cannot be known before the data exists, and how raytrain d
   only when the cluster's CPUs cover the training workers (ScalingConfig.total_resources) plus what the
   largest stage asks for (its num_cpus, times an actor pool's minimum size); otherwise it executes the
   dataset before the workers start (they then hold the CPUs), with one info line saying what to give.
+
+Resume on another world size or batch size reads exactly the rest of the interrupted epoch
+(StreamSource.resume_at); for a count not known yet, after Ray Data's pass has ended.
 
 Why not Ray's streaming_split into the workers: it hands blocks to whichever worker asks first and cannot
 start mid-epoch (ray#37633, ray#48224), so neither the order nor a resume would be exact. No block for

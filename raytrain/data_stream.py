@@ -17,7 +17,26 @@ a reader that returns rows [lo, hi) of one block. An epoch of one rank:
 
 So a rank's order depends only on (seed, epoch, rank, world size); the window of any batch is found
 from row counts alone, and resuming reads that window only (at most one block partly skipped). One
-window is batched while the next is loaded in the background: memory is about two windows.
+window is batched while the next is loaded in the background: memory is about two windows. Data that
+fits one window is converted once, shuffled in the loader thread, and its batches are slices.
+
+Resume under another layout (world size, batch size, drop_last: `resume_at`). The rest of the
+interrupted epoch is rebuilt from the saved layout alone: for each old rank, the unread rows of the
+window it was in (its window permutation is known) and the windows it had not begun. Those rows, in
+ascending stream position, form a stream of their own that the new world cuts by the same rules
+(its own window seeds); its batches end where the new layout's epoch ends, so the loop's epoch length
+is unchanged, and later epochs are the new layout's. Each row left is read once, none is lost (with
+drop_last, the rest's incomplete global batch is dropped, as drop_last does); reading it costs at most
+one window per old rank beyond the rows themselves. A resume within such an epoch carries its chain
+of layouts in the checkpoint (`state()["remap"]`), so it can be interrupted and resumed again.
+
+Unknown length (a Ray stream of a dataset Ray cannot count without running it, trained for
+max_steps: `reader.length_known` False). Only epoch 0's last windows depend on the count: a window
+that is not the last for the rows published so far is not the last for any larger count either, and
+its place in the stream does not depend on the count. So a rank reads a window once the rows
+published prove it is not the last (about one group of windows behind Ray Data), and the last ones
+once Ray Data has ended; the order is exactly that of a known count. Such a source has no len():
+the loop ends the epoch when the batches do, as for an iterable dataset.
 """
 
 from __future__ import annotations
