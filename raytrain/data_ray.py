@@ -263,6 +263,11 @@ def _prepare(data: Any, name: str):
         raise DataError(f"{name}: a {type(data).__name__} is not accepted; pass a ray.data.Dataset")
     ds = ray.data.Dataset.copy(data, _deep_copy=True)
     ds.context.execution_options.preserve_order = True  # the blocks' order is the data's, not the timing's
+    # Blocks of at most a quarter window (Ray's default is 128 MiB): a rank's first window exists after a
+    # few small blocks, not after whole files (2M Parquet rows: first block 4.3 s instead of 7.7 s)
+    limit = max(1 << 20, spec.buffer_bytes // 4)
+    if (ds.context.target_max_block_size or limit + 1) > limit:
+        ds.context.target_max_block_size = limit
     stage = str(ds).splitlines()[0].strip()
     return spec, ds, f"{what} {stage}", stage
 
@@ -303,10 +308,18 @@ def _row_count(spec: RayData, ds, stage: str) -> tuple[int | None, str]:
     count = _private(lambda: ds._meta_count())  # a read of known size through row-preserving stages; never runs
     if count is not None:
         return int(count), ""
-    if _private(lambda: not ds._logical_plan.dag.input_dependencies and "parquet" in ds._logical_plan.dag.name.lower()):
+    if _private(lambda: _bare_parquet(ds._logical_plan.dag)):
         return int(ds.count()), ""  # a bare Parquet read: Ray counts it reading no column (file footers)
     return None, (f"Ray cannot count its rows without running it ({stage} may change the row count); "
                   "RayData(ds, num_rows=N) streams it beside training")
+
+
+def _bare_parquet(dag) -> bool:
+    """A plan that only reads Parquet: one read op (Ray 2.60: ListFiles -> ReadFilesParquetV2; before: one
+    Read op), nothing after it."""
+    inputs = list(dag.input_dependencies)
+    return "parquet" in dag.name.lower() and all(op.name == "ListFiles" and not op.input_dependencies
+                                                 for op in inputs)
 
 
 def _private(get):
