@@ -465,8 +465,6 @@ class StreamSource(_Layout):
         return nb if same else self._remap.offset
 
 
-
-
 def _window_perm(src, epoch: int, level: int, world_size: int, rank: int, k: int, n: int) -> np.ndarray | None:
     """The shuffle of one window: seeded by (seed, epoch, world size, rank, window) and, for the layout of a
     resumed epoch's rest, its level (how many layouts that epoch was interrupted under)."""
