@@ -4,7 +4,9 @@ Each trial trains in its own directory under the sweep directory and continues f
 raytrain checkpoint there when Tune restarts it (driver restore, PBT). Tune is told the
 checkpoint's path in every result; under PBT it also gets a pointer checkpoint (one small JSON
 file naming raytrain's checkpoint), so no second copy of the weights is made per evaluation.
-One-worker trials train in this process; more workers run a Ray Train TorchTrainer from here.
+One-worker trials train in this process; more workers run a Ray Train TorchTrainer from here. In a
+URI sweep a one-worker trial reports raytrain's checkpoint to Tune, a distributed one to its
+TorchTrainer's run at the URI (Ray Train persists it; Tune's result names it): one upload each.
 """
 
 from __future__ import annotations
@@ -100,7 +102,8 @@ class _Reporter(TrainerCallback):
 
 class _WorkerReporter(_Reporter):
     """In a Ray Train worker of a distributed trial: every rank reports (Ray Train requires it);
-    the trial's _ToTune callback forwards rank 0's result to Tune. It carries the trial's MLflow
+    the trial's _ToTune callback forwards rank 0's result to Tune. In a URI sweep (upload) rank 0
+    also reports the evaluation's raytrain checkpoint to Ray Train. It carries the trial's MLflow
     variables (its child run) to the workers, which do not inherit the trial's environment."""
 
     _ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID")

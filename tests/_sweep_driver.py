@@ -43,11 +43,11 @@ class KillWorkerOnce(TrainerCallback):
 
 
 class KillDriverOnce(TrainerCallback):
-    """Rank 0 of a distributed trial, at the end of `step`, waits for Ray Train to register the checkpoint
-    saved before, then SIGKILLs the sweep's driver (pid): the trial is left unfinished in Tune's saved state.
+    """Rank 0 of a distributed trial, at the end of `step`, waits until Ray Train has committed the checkpoint
+    reported before, then SIGKILLs the sweep's driver (pid): the trial is left unfinished in Tune's saved state.
     The ranks wait to be stopped (the driver's job ends, and with it the trial), so no later checkpoint."""
 
-    def __init__(self, pid: int, step: int, wait_s: float = 3.0):
+    def __init__(self, pid: int, step: int, wait_s: float = 1.0):
         self.pid, self.step, self.wait_s = pid, step, wait_s
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -56,7 +56,10 @@ class KillDriverOnce(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == self.step:
             if int(os.environ.get("RANK", 0)) == 0:
-                time.sleep(self.wait_s)
+                import ray.train
+
+                ray.train.get_all_reported_checkpoints(ray.train.CheckpointConsistencyMode.COMMITTED, timeout_s=60)
+                time.sleep(self.wait_s)  # Tune saves its state at most once a second
                 os.kill(self.pid, signal.SIGKILL)
             time.sleep(120)
 
