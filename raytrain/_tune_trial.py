@@ -4,7 +4,9 @@ Each trial trains in its own directory under the sweep directory and continues f
 raytrain checkpoint there when Tune restarts it (driver restore, PBT). Tune is told the
 checkpoint's path in every result; under PBT it also gets a pointer checkpoint (one small JSON
 file naming raytrain's checkpoint), so no second copy of the weights is made per evaluation.
-One-worker trials train in this process; more workers run a Ray Train TorchTrainer from here.
+One-worker trials train in this process; more workers run a Ray Train TorchTrainer from here. In a
+URI sweep a one-worker trial reports raytrain's checkpoint to Tune, a distributed one to its
+TorchTrainer's run at the URI (Ray Train persists it; Tune's result names it): one upload each.
 """
 
 from __future__ import annotations
@@ -100,7 +102,8 @@ class _Reporter(TrainerCallback):
 
 class _WorkerReporter(_Reporter):
     """In a Ray Train worker of a distributed trial: every rank reports (Ray Train requires it);
-    the trial's _ToTune callback forwards rank 0's result to Tune. It carries the trial's MLflow
+    the trial's _ToTune callback forwards rank 0's result to Tune. In a URI sweep (upload) rank 0
+    also reports the evaluation's raytrain checkpoint to Ray Train. It carries the trial's MLflow
     variables (its child run) to the workers, which do not inherit the trial's environment."""
 
     _ENV = ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID")
@@ -116,7 +119,15 @@ class _WorkerReporter(_Reporter):
     def report(self, metrics: dict, step: int, checkpoint_dir: str | None = None) -> None:
         import ray.train
 
-        ray.train.report(self.result(metrics, step, checkpoint_dir))
+        checkpoint = name = None
+        if self.upload and checkpoint_dir:
+            # A URI sweep: rank 0's raytrain checkpoint is persisted by Ray Train into the trial's
+            # storage at the URI (every rank writes the same directory; one upload is enough).
+            name = os.path.basename(os.path.abspath(checkpoint_dir))  # Ray broadcasts rank 0's
+            if ray.train.get_context().get_world_rank() == 0:
+                checkpoint = ray.train.Checkpoint.from_directory(checkpoint_dir)
+        ray.train.report(self.result(metrics, step, checkpoint_dir), checkpoint=checkpoint,
+                         checkpoint_dir_name=name)
 
 
 class _RestoreTrialParams(TrainerCallback):
@@ -240,21 +251,36 @@ def _run_trial(config: dict[str, Any], spec: dict[str, Any], trial_dir: str) -> 
         logger.warning("PBT: continuing from %s with learning_rate=%r", resume, args.learning_rate)
         trainer.add_callback(_RestoreTrialParams(args))
     n = len(spec["directions"])
-    if args.scaling.num_workers > 1:
-        _run_distributed(trainer, resume, _WorkerReporter(spec["compute_objective"], n), trial_id)
-        return
     remote = spec.get("remote", False)
+    if args.scaling.num_workers > 1:
+        reporter = _WorkerReporter(spec["compute_objective"], n, upload=remote)
+        storage = join_uri(spec["uri"], os.path.basename(trial_dir)) if remote else None
+        _run_distributed(trainer, resume, reporter, trial_id, storage, spec["mode"])
+        return
     reporter = _Reporter(spec["compute_objective"], n, pointer=spec["scheduler"] == "pbt" and not remote,
                          upload=remote)
     trainer.add_callback(reporter)
     trainer.train(resume_from_checkpoint=resume, trial=reporter)
 
 
-def _run_distributed(trainer, resume: str | None, reporter: _WorkerReporter, trial_id: str) -> None:
+def join_uri(uri: str, name: str) -> str:
+    """<uri>/<name>, keeping pyarrow's query options (s3://b/p?endpoint_override=...) at the end."""
+    base, sep, query = uri.partition("?")
+    return f"{base.rstrip('/')}/{name}{sep}{query}"
+
+
+def _run_distributed(trainer, resume: str | None, reporter: _WorkerReporter, trial_id: str,
+                     storage: str | None = None, mode: str | None = None) -> None:
     """Ray Train v2's Tune integration: a TorchTrainer started from the trial function, its worker
     results forwarded to Tune by a callback; FailureConfig restarts workers from the trial's
-    newest checkpoint (its output_dir, which _ray_worker finds after a restart)."""
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    newest checkpoint (its output_dir, which _ray_worker finds after a restart).
+
+    `storage`: the trial's directory at a URI sweep. The TorchTrainer's run lives there
+    (`<uri>/<sweep>/trial_<id>/ray_train/`): Ray Train persists the raytrain checkpoints rank 0
+    reports, rotates them (save_total_limit, the best by the objective kept) and keeps its
+    checkpoint manager's snapshot, so the same run name and storage started again, on this node
+    or another after a sweep restore, hands the workers the newest one (ray.train.get_checkpoint)."""
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from . import _ray_worker
@@ -270,8 +296,10 @@ def _run_distributed(trainer, resume: str | None, reporter: _WorkerReporter, tri
         scaling_config=ScalingConfig(num_workers=scaling.num_workers, use_gpu=scaling.use_gpu,
                                      resources_per_worker=scaling.resources_per_worker,
                                      placement_strategy=scaling.placement_strategy),
-        run_config=RunConfig(name="ray_train", storage_path=args.output_dir,
+        run_config=RunConfig(name="ray_train", storage_path=storage or args.output_dir,
                              failure_config=FailureConfig(max_failures=scaling.max_failures),
+                             checkpoint_config=_kept(CheckpointConfig, args.save_total_limit, mode) if storage
+                             else None,
                              callbacks=[_to_tune_callback()]),
         torch_config=_RaytrainTorchConfig(),
     )
@@ -281,15 +309,30 @@ def _run_distributed(trainer, resume: str | None, reporter: _WorkerReporter, tri
         raise _worker_error(e) from e
 
 
+def _kept(checkpoint_config, keep: int | None, mode: str | None):
+    """The checkpoints kept in Ray's storage: as the trial rotates its own (save_total_limit, the best
+    by the objective kept when there is one objective; Ray always keeps the latest too)."""
+    if not keep:
+        return checkpoint_config()
+    if mode not in ("min", "max"):
+        return checkpoint_config(num_to_keep=keep)
+    return checkpoint_config(num_to_keep=keep, checkpoint_score_attribute="objective", checkpoint_score_order=mode)
+
+
 def _to_tune_callback():
-    from ray.tune.integration.ray_train import TuneReportCallback
+    from ray.tune.integration.ray_train import CHECKPOINT_PATH_KEY, TuneReportCallback
 
     class _ToTune(TuneReportCallback):
-        """Forward rank 0's evaluation results only (raytrain reports nothing else from a trial)."""
+        """Forward rank 0's evaluation results only (raytrain reports nothing else from a trial), with
+        the path of the checkpoint Ray Train persisted, as Ray's callback does (not reported to Tune
+        again: it is already in storage)."""
 
         def after_report(self, run_context, metrics, checkpoint):
             if metrics and any(k == "objective" or k.startswith("objective_") for k in metrics[0]):
-                self._training_actor_item_queue.put(dict(metrics[0]))
+                result = dict(metrics[0])
+                if checkpoint is not None:
+                    result[CHECKPOINT_PATH_KEY] = checkpoint.path
+                self._training_actor_item_queue.put(result)
 
     return _ToTune()
 

@@ -1,7 +1,8 @@
 """DRIVER side: a sweep whose storage_path is a URI (s3://, gs://, ... as Ray's storage is).
 
 Ray's storage (pyarrow.fs) persists what Tune owns: its experiment state and the checkpoints trials
-report (raytrain's checkpoint directories, uploaded by the trial at each save). The rest of a sweep
+report (raytrain's checkpoint directories, uploaded by the trial at each save; a distributed trial's
+by its TorchTrainer, whose run lives in <uri>/<name>/trial_<id>/ray_train/). The rest of a sweep
 is kept on the driver's disk in <output_dir>/sweeps/<name>/ and copied to <uri>/<name>/ by this
 module: the Optuna study (SQLite needs a local file) whenever Tune saves its searcher state, and
 trials.csv and the plots at the end. A restore on a machine without the local directory fetches the
@@ -82,10 +83,27 @@ class Mirror:
             ckpt = result.get_best_checkpoint(metric, mode)
         except (RuntimeError, ValueError, KeyError):
             ckpt = None
-        if ckpt is None:
+        path = ckpt.path if ckpt is not None else self._best_train_checkpoint(result, metric, mode)
+        if not path:
             return ""
         scheme = self.uri.split("://", 1)[0]
-        return f"{scheme}://{ckpt.path}"
+        return f"{scheme}://{path}"
+
+    def _best_train_checkpoint(self, result, metric: str, mode: str) -> str:
+        """A distributed trial's checkpoints are Ray Train's (not Tune's): its results name them
+        (checkpoint_path); the best-scoring one Ray Train has not rotated away."""
+        import pyarrow.fs
+        from ray.tune.integration.ray_train import CHECKPOINT_PATH_KEY
+
+        df = result.metrics_dataframe
+        if df is None or CHECKPOINT_PATH_KEY not in df or metric not in df:
+            return ""
+        rows = df[df[CHECKPOINT_PATH_KEY].fillna("").astype(str) != ""].dropna(subset=[metric])
+        fs, _ = self._fs()
+        for path in rows.sort_values(metric, ascending=mode == "min", kind="stable")[CHECKPOINT_PATH_KEY]:
+            if fs.get_file_info(path).type == pyarrow.fs.FileType.Directory:
+                return path
+        return ""
 
 
 

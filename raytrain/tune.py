@@ -2,7 +2,8 @@
 
 A sweep lives in one directory, `<output_dir>/sweeps/<name>/` (or `<storage_path>/<name>/`; for a
 URI storage_path, Tune's state and the reported checkpoints go to `<uri>/<name>/` through Ray's
-storage, the rest stays in `<output_dir>/sweeps/<name>/` and sweep_mirror.py copies it up)::
+storage, a distributed trial's through its TorchTrainer's run at `<uri>/<name>/trial_<id>/ray_train/`;
+the rest stays in `<output_dir>/sweeps/<name>/` and sweep_mirror.py copies it up)::
 
     experiment_state-*.json, searcher-state-*.pkl, tuner.pkl   Ray Tune's state (Tuner.restore)
     optuna.db                                                  the Optuna study (SQLite)
@@ -213,7 +214,7 @@ def hyperparameter_search(trainer, hp_space=None, compute_objective: Callable | 
     from ray import tune
 
     from . import sweep_mirror, sweep_report
-    from ._tune_trial import run_trial, trial_dirname
+    from ._tune_trial import join_uri, run_trial, trial_dirname
     from .launch import ensure_ray
 
     directions = list(direction) if isinstance(direction, (list, tuple)) else [direction]
@@ -230,8 +231,8 @@ def hyperparameter_search(trainer, hp_space=None, compute_objective: Callable | 
     if remote:
         # Ray's storage holds Tune's state and the checkpoints trials report; each trial trains in
         # <output_dir>/sweeps/<name>/trial_<id> on its node's disk (sweep_dir, as without a URI).
-        _check_uri(root, trainer.args)
-        state_path = _join_uri(root, name)
+        _check_uri(root)
+        state_path = join_uri(root, name)
         sweep_dir = os.path.abspath(os.path.join(trainer.args.output_dir, "sweeps", name))
     else:
         root = os.path.abspath(os.path.expanduser(root))
@@ -263,7 +264,7 @@ def hyperparameter_search(trainer, hp_space=None, compute_objective: Callable | 
                            "compute_loss_func": trainer.compute_loss_func},
         "compute_objective": compute_objective, "metric": metric, "mode": modes[0] if len(modes) == 1 else None,
         "directions": directions, "scheduler": scheduler, "mlflow": tracker.info if tracker else None,
-        "show_trial_logs": show_trial_logs, "remote": remote,
+        "show_trial_logs": show_trial_logs, "remote": remote, "uri": state_path if remote else None,
     }
     resources, max_concurrent = _resources(trainer.args, resources_per_trial, max_concurrent_trials)
     trainable = tune.with_resources(tune.with_parameters(run_trial, spec=spec), resources)
@@ -294,13 +295,7 @@ def _is_uri(path: str) -> bool:
     return "://" in path
 
 
-def _join_uri(uri: str, name: str) -> str:
-    """<uri>/<name>, keeping pyarrow's query options (s3://b/p?endpoint_override=...) at the end."""
-    base, sep, query = uri.partition("?")
-    return f"{base.rstrip('/')}/{name}{sep}{query}"
-
-
-def _check_uri(uri: str, args: TrainingArguments) -> None:
+def _check_uri(uri: str) -> None:
     import pyarrow.fs
 
     try:
@@ -308,10 +303,6 @@ def _check_uri(uri: str, args: TrainingArguments) -> None:
     except Exception as e:  # unknown scheme, missing filesystem support
         raise ValueError(f"storage_path: {_shown(uri)!r}: pyarrow cannot open it ({str(e).splitlines()[0]}); "
                          "give an s3://, gs://, abfs:// or hdfs:// URI it reaches, or a local path") from None
-    if args.scaling.num_workers > 1:
-        raise ValueError(f"storage_path: {_shown(uri)!r}: a URI needs one-worker trials (scaling.num_workers=1); a "
-                         "distributed trial's checkpoints are not reported to Tune, so none would reach the URI; "
-                         "use a shared filesystem path")
 
 
 def _restoring(sweep_dir: str, resume: bool | str) -> bool:

@@ -1,5 +1,5 @@
 """A sweep driver for test_tune_restore.py: run as a subprocess so that the test can SIGKILL it. Also the
-fault injector of test_tune.py's distributed trial (importable on Ray workers: PYTHONPATH is the repo root)."""
+fault injectors of test_tune.py's distributed trial (importable on Ray workers: PYTHONPATH is the repo root)."""
 
 from __future__ import annotations
 
@@ -42,6 +42,44 @@ class KillWorkerOnce(TrainerCallback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class KillDriverOnce(TrainerCallback):
+    """Rank 0 of a distributed trial, at the end of `step`, waits until Ray Train has committed the checkpoint
+    reported before, then SIGKILLs the sweep's driver (pid): the trial is left unfinished in Tune's saved state.
+    The ranks wait to be stopped (the driver's job ends, and with it the trial), so no later checkpoint."""
+
+    def __init__(self, pid: int, step: int, wait_s: float = 1.0):
+        self.pid, self.step, self.wait_s = pid, step, wait_s
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        KillWorkerOnce.on_train_begin(self, args, state, control)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            if int(os.environ.get("RANK", 0)) == 0:
+                import ray.train
+
+                ray.train.get_all_reported_checkpoints(ray.train.CheckpointConsistencyMode.COMMITTED, timeout_s=60)
+                time.sleep(self.wait_s)  # Tune saves its state at most once a second
+                os.kill(self.pid, signal.SIGKILL)
+            time.sleep(120)
+
+
+def ddp_trainer(out: str, callback) -> Trainer:
+    """test_tune's 2-worker trial: one process's maths (no dropout), 10 steps, a checkpoint every 5."""
+    train, val = build_datasets()
+    args = TrainingArguments(output_dir=out, max_steps=10, per_device_train_batch_size=32, eval_strategy="steps",
+                             eval_steps=5, save_strategy="steps", save_steps=5, logging_steps=5, save_total_limit=1,
+                             disable_tqdm=True, scaling={"num_workers": 2, "max_failures": 1})
+    return Trainer(args=args, model_init=lambda **k: build_model(dropout=0.0, **k), train_dataset=train,
+                   eval_dataset=val, compute_metrics=compute_metrics, callbacks=[callback])
+
+
+def ddp_search(trainer, uri: str, resume):
+    return trainer.hyperparameter_search({"learning_rate": {"choice": [3e-3]}}, n_trials=1, direction="maximize",
+                                         metric="accuracy", scheduler="none", seed=0, name="ddp", storage_path=uri,
+                                         resume=resume, plots=False)
+
+
 def main(out: str, resume: str) -> None:
     torch.set_num_threads(1)
     ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
@@ -56,4 +94,9 @@ def main(out: str, resume: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    if sys.argv[2] == "ddp":  # a 2-worker trial at a URI whose driver (this process) is SIGKILLed after step 7
+        torch.set_num_threads(1)
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=False)
+        ddp_search(ddp_trainer(sys.argv[1], KillDriverOnce(os.getpid(), step=7)), sys.argv[3], False)
+    else:
+        main(sys.argv[1], sys.argv[2])

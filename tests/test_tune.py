@@ -12,6 +12,7 @@ import pandas as pd
 import pytest
 
 from raytrain import Trainer, TrainingArguments
+from tests.test_tune_restore import moto_bucket
 
 pytestmark = pytest.mark.ray
 
@@ -204,29 +205,56 @@ def test_pbt_clones_a_checkpoint_with_the_mutated_learning_rate(ray_cluster, tmp
     assert before and all(v != pytest.approx(float(lr)) for v in before)  # the source trial's own rate
 
 
-def test_a_worker_killed_in_a_two_worker_trial_restarts_from_the_trials_checkpoint(ray_cluster, tmp_path, digits):
-    """Rank 1 of a 2-worker trial is SIGKILLed after step 7. The trial's FailureConfig (scaling.max_failures)
-    restarts the group from checkpoint-5, and the trial ends with the weights of one process trained with the
-    same global batch and seed (the same maths, as test_launch shows; a second 2-worker trial would cost
-    another worker group start)."""
+def test_a_two_worker_trial_at_a_uri_restores_elsewhere_and_restarts_a_killed_worker(ray_cluster, tmp_path, digits,
+                                                                                     monkeypatch):
+    """A 2-worker trial in a sweep whose storage_path is an S3 URI (a moto server). Its driver is SIGKILLed
+    after step 7 (the trial unfinished in Tune's saved state); with the local sweep directory deleted, the sweep
+    is restored into another output_dir and the trial continues from checkpoint-5, which its TorchTrainer
+    persisted in the bucket; there rank 1 is SIGKILLed after step 7 and the trial's FailureConfig
+    (scaling.max_failures) restarts the group from checkpoint-5 again. The trial ends with the weights of one
+    process trained with the same global batch and seed (the same maths, as test_launch shows)."""
+    import shutil
+    import subprocess
+    import sys
+
+    import pyarrow.fs
     import torch
+    from safetensors.torch import load as load_safetensors
 
     from examples.digits import build_model, compute_metrics
     from raytrain.checkpoint import load_weights
     from raytrain.seeding import set_seed
-    from tests._sweep_driver import KillWorkerOnce
+    from tests._sweep_driver import KillWorkerOnce, ddp_search, ddp_trainer
 
-    trainer = _trainer(tmp_path, digits, model_init=lambda **k: build_model(dropout=0.0, **k), max_steps=10,
-                       callbacks=[KillWorkerOnce(str(tmp_path / "killed"), rank=1, step=7)],
-                       scaling={"num_workers": 2, "max_failures": 1})
-    best = trainer.hyperparameter_search({"learning_rate": {"choice": [3e-3]}}, n_trials=1, direction="maximize",
-                                         metric="accuracy", scheduler="none", seed=0, name="ddp")
-    table = best.run_summary
-    assert (tmp_path / "killed").exists()
-    assert list(table["status"]) == ["finished"] and list(table["steps"]) == [10]
-    trial_dir = tmp_path / "out" / "sweeps" / "ddp" / f"trial_{best.run_id}"
-    assert (trial_dir / "starts.txt").read_text().split() == ["0", "5"]  # restarted from checkpoint-5
-    assert best.checkpoint == str(trial_dir / "checkpoint-10")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address,
+           "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    with moto_bucket(monkeypatch) as (fs, uri):
+        driver = subprocess.run([sys.executable, os.path.join(root, "tests", "_sweep_driver.py"),
+                                 str(tmp_path / "out"), "ddp", uri], cwd=root, env=env, capture_output=True, text=True,
+                                timeout=400)
+        assert driver.returncode == -9, driver.stdout[-3000:] + driver.stderr[-3000:]
+        (first,) = (tmp_path / "out" / "sweeps" / "ddp").glob("trial_*")
+        assert (first / "starts.txt").read_text().split() == ["0"]
+        ray_train = f"bucket/sweeps/ddp/{first.name}/ray_train"
+        assert fs.get_file_info(f"{ray_train}/checkpoint-5/manifest.json").type == pyarrow.fs.FileType.File
+
+        shutil.rmtree(tmp_path / "out")  # as on another machine
+        trainer = ddp_trainer(str(tmp_path / "elsewhere"), KillWorkerOnce(str(tmp_path / "killed"), rank=1, step=7))
+        best = ddp_search(trainer, uri, True)
+        table = best.run_summary
+        assert (tmp_path / "killed").exists() and f"trial_{best.run_id}" == first.name
+        assert list(table["status"]) == ["finished"] and list(table["steps"]) == [10]
+        trial_dir = tmp_path / "elsewhere" / "sweeps" / "ddp" / first.name
+        # Restored from the bucket's checkpoint-5, then restarted from it after the kill (no newer one).
+        assert (trial_dir / "starts.txt").read_text().split() == ["5", "5"]
+        # The best checkpoint is the bucket's copy (save_total_limit=1: Ray Train rotated checkpoint-5 away).
+        assert best.checkpoint == f"s3://{ray_train}/checkpoint-10"
+        kept = fs.get_file_info(pyarrow.fs.FileSelector(ray_train))
+        assert sorted(i.base_name for i in kept if i.type == pyarrow.fs.FileType.Directory) == ["checkpoint-10"]
+        ours = load_weights(str(trial_dir / "checkpoint-10"))
+        with fs.open_input_file(f"{ray_train}/checkpoint-10/model.safetensors") as f:
+            assert all(torch.equal(v, ours[k]) for k, v in load_safetensors(f.read()).items())
 
     set_seed(trainer.args.seed)  # as the trial seeds before model_init
     model = build_model(dropout=0.0)
@@ -235,7 +263,7 @@ def test_a_worker_killed_in_a_two_worker_trial_restarts_from_the_trials_checkpoi
     one = Trainer(model=model, args=args, train_dataset=digits[0], eval_dataset=digits[1],
                   compute_metrics=compute_metrics)
     one.train()
-    ours, ref = load_weights(best.checkpoint), load_weights(str(tmp_path / "one" / "checkpoint-10"))
+    ref = load_weights(str(tmp_path / "one" / "checkpoint-10"))
     for name in ref:
         torch.testing.assert_close(ours[name], ref[name], rtol=1e-4, atol=1e-5)
     assert best.objective == pytest.approx(one.evaluate()["eval_accuracy"], abs=1 / 359 + 1e-9)

@@ -3,7 +3,9 @@ SQLite): finished trials are not rerun, running ones continue from their checkpo
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -169,26 +171,17 @@ def _moto_multipart_fix(monkeypatch):
     monkeypatch.setattr(S3Response, "_key_response_post", fixed)
 
 
-def test_cloud_storage_path_persists_the_sweep_and_restores_without_the_local_dir(ray_cluster, tmp_path, digits,
-                                                                                   monkeypatch, capsys):
-    """storage_path an S3 URI (a moto server): Tune's state, the reported raytrain checkpoints, the Optuna
-    study, trials.csv and the plots reach the bucket; with the local sweep directory deleted, the same
-    call continues from the URI (nothing rerun) and a trial fetches its checkpoint back from it."""
-    import shutil
+@contextlib.contextmanager
+def moto_bucket(monkeypatch):
+    """An S3 API (a moto server on a free port) with an empty bucket: (its pyarrow filesystem, the sweeps URI
+    s3://testing:testing@bucket/sweeps?endpoint_override=...)."""
     import socket
 
-    import optuna
     import pyarrow.fs
-    import torch
     from moto.server import ThreadedMotoServer
-    from ray import tune
-
-    from examples.digits import build_model, compute_metrics
-    from raytrain import Trainer, TrainingArguments
-    from raytrain._tune_trial import _fetch_checkpoint
-    from raytrain.checkpoint import load_weights, verify_checkpoint
 
     _moto_multipart_fix(monkeypatch)
+    monkeypatch.setattr(logging.getLogger("werkzeug"), "level", logging.WARNING)  # a line per request
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -198,7 +191,29 @@ def test_cloud_storage_path_persists_the_sweep_and_restores_without_the_local_di
         query = f"endpoint_override=127.0.0.1:{port}&scheme=http&region=us-east-1"
         fs, _ = pyarrow.fs.FileSystem.from_uri(f"s3://testing:testing@bucket?{query}&allow_bucket_creation=true")
         fs.create_dir("bucket")
-        uri = f"s3://testing:testing@bucket/sweeps?{query}"
+        yield fs, f"s3://testing:testing@bucket/sweeps?{query}"
+    finally:
+        server.stop()
+
+
+def test_cloud_storage_path_persists_the_sweep_and_restores_without_the_local_dir(ray_cluster, tmp_path, digits,
+                                                                                   monkeypatch, capsys):
+    """storage_path an S3 URI (a moto server): Tune's state, the reported raytrain checkpoints, the Optuna
+    study, trials.csv and the plots reach the bucket; with the local sweep directory deleted, the same
+    call continues from the URI (nothing rerun) and a trial fetches its checkpoint back from it."""
+    import shutil
+
+    import optuna
+    import pyarrow.fs
+    import torch
+    from ray import tune
+
+    from examples.digits import build_model, compute_metrics
+    from raytrain import Trainer, TrainingArguments
+    from raytrain._tune_trial import _fetch_checkpoint
+    from raytrain.checkpoint import load_weights, verify_checkpoint
+
+    with moto_bucket(monkeypatch) as (fs, uri):
         train, val = digits
         args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=10, per_device_train_batch_size=32,
                                  eval_strategy="steps", eval_steps=5, save_steps=5, logging_steps=5,
@@ -254,5 +269,3 @@ def test_cloud_storage_path_persists_the_sweep_and_restores_without_the_local_di
         other = next(t for t in ids if t != best.run_id)
         path, cloned = _fetch_checkpoint(ckpt, str(local / f"trial_{other}"))
         assert cloned and path.endswith(f"trial_{other}/checkpoint-10")
-    finally:
-        server.stop()
