@@ -298,8 +298,8 @@ def _run_distributed(trainer, resume: str | None, reporter: _WorkerReporter, tri
                                      placement_strategy=scaling.placement_strategy),
         run_config=RunConfig(name="ray_train", storage_path=storage or args.output_dir,
                              failure_config=FailureConfig(max_failures=scaling.max_failures),
-                             checkpoint_config=_kept(CheckpointConfig, args.save_total_limit, mode) if storage
-                             else None,
+                             checkpoint_config=kept_checkpoints(CheckpointConfig, args.save_total_limit, mode)
+                             if storage else None,
                              callbacks=[_to_tune_callback()]),
         torch_config=_RaytrainTorchConfig(),
     )
@@ -309,7 +309,7 @@ def _run_distributed(trainer, resume: str | None, reporter: _WorkerReporter, tri
         raise _worker_error(e) from e
 
 
-def _kept(checkpoint_config, keep: int | None, mode: str | None):
+def kept_checkpoints(checkpoint_config, keep: int | None, mode: str | None):
     """The checkpoints kept in Ray's storage: as the trial rotates its own (save_total_limit, the best
     by the objective kept when there is one objective; Ray always keeps the latest too)."""
     if not keep:

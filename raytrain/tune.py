@@ -350,16 +350,12 @@ def _new_tuner(trainable, space, modes, keys, n_trials, scheduler, scheduler_kwa
 
 
 def _checkpoint_config(mirror, keep: int | None, modes: list[str]):
-    """With a URI, Tune holds the trials' raytrain checkpoints: rotated there as the trial rotates its
-    own (save_total_limit, the best by the objective kept; Tune always keeps the latest too)."""
+    """With a URI, Tune holds the trials' raytrain checkpoints: rotated there as the trial rotates its own."""
     from ray import tune
 
-    if mirror is None or not keep:
-        return None
-    if len(modes) > 1:
-        return tune.CheckpointConfig(num_to_keep=keep)
-    return tune.CheckpointConfig(num_to_keep=keep, checkpoint_score_attribute="objective",
-                                 checkpoint_score_order=modes[0])
+    from ._tune_trial import kept_checkpoints
+
+    return kept_checkpoints(tune.CheckpointConfig, keep, modes[0] if len(modes) == 1 else None) if mirror else None
 
 
 def _finish(grid, space, keys, modes, sweep_dir, name, tracker, plots, mirror=None):
