@@ -95,6 +95,30 @@ def test_two_ranks_cover_each_epoch_once_in_a_seeded_order(ray_cluster, tmp_path
                        worlds=((3, 4),))
 
 
+def test_read_parquet_is_counted_from_its_footers_and_streams_with_a_footer_pool_the_cluster_fits(ray_cluster,
+                                                                                                  tmp_path):
+    """ray.data.read_parquet of 8 files: its count comes from the footers (no execution), so it streams beside
+    the readers; Ray's pool of 32 footer-reading actors is capped at one per two cluster CPUs (4 here: 2);
+    two ranks read every id once per epoch, with equal steps."""
+    import ray
+    import ray.data
+
+    from raytrain.data_ray import start
+    d = write_parquet(tmp_path / "pq", columns(), files=8, row_group=5)
+    ds = ray.data.read_parquet(d)
+    indexers = [getattr(op, "file_indexer", None) for op in (ds._logical_plan.dag,
+                                                              *ds._logical_plan.dag.input_dependencies)]
+    pools = [i._num_actors for i in indexers if hasattr(i, "_num_actors")]
+    blocks = start(RayData(ds, buffer_bytes=400))
+    assert blocks.length_known and blocks.num_rows == 103
+    if pools:  # Ray versions before the footer pool (2.60) have nothing to cap
+        assert pools == [32] and [i._num_actors for i in indexers if hasattr(i, "_num_actors")] == \
+            [int(ray.cluster_resources()["CPU"]) // 2] == [2]
+    per_rank = [ids(build_source(blocks, 4, seed=1, rank=r, world_size=2).iter_batches(0)) for r in (0, 1)]
+    assert len(per_rank[0]) == len(per_rank[1]) == 13
+    assert sorted(i for rank in per_rank for b in rank for i in b) == list(range(103))
+
+
 def test_ray_data_streams_beside_the_reader_and_falls_back_in_one_line(ray_cluster, tmp_path, caplog):
     """Blocks after the first are held back by the stage until a file exists: batches of the first block
     arrive before Ray Data has produced the rest (it runs beside, not before), and the epoch completes once
