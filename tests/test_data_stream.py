@@ -423,6 +423,15 @@ def test_a_worker_sigkilled_mid_epoch_resumes_bit_exact_with_exact_passes(ray_cl
     data = RayData(_ray_items(90), buffer_bytes=400)
     reference = Trainer(Recorder(), args(tmp_path / "ref"), train_dataset=data, callbacks=[IdLog()])
     reference.train()
+    # the 2 workers' checkpoint-5 resumed by one process (another world size): exactly the 50 ids left of
+    # epoch 0, in 13 steps
+    alone = Trainer(Recorder(), TrainingArguments(output_dir=str(tmp_path / "alone"), max_steps=18,
+                                                  per_device_train_batch_size=4, learning_rate=0.1, seed=0,
+                                                  disable_tqdm=True, report_to="none", save_strategy="no"),
+                    train_dataset=data)
+    alone.train(resume_from_checkpoint=str(tmp_path / "ref" / "checkpoint-5"))
+    head = [i for r in (0, 1) for s, batch in _consumed(tmp_path / "ref", r).items() if s <= 5 for i in batch]
+    assert len(alone.model.seen) == 13 and sorted(head + [i for b in alone.model.seen for i in b]) == list(range(90))
 
     out = tmp_path / "killed"
     killed: list[int] = []
