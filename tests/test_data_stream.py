@@ -103,11 +103,10 @@ def test_read_parquet_is_counted_from_its_footers_and_streams_with_a_footer_pool
     import ray
     import ray.data
 
-    from raytrain.data_ray import start
+    from raytrain.data_ray import _ops, start
     d = write_parquet(tmp_path / "pq", columns(), files=8, row_group=5)
     ds = ray.data.read_parquet(d)
-    indexers = [getattr(op, "file_indexer", None) for op in (ds._logical_plan.dag,
-                                                              *ds._logical_plan.dag.input_dependencies)]
+    indexers = [getattr(op, "file_indexer", None) for op in _ops(ds._logical_plan.dag)]
     pools = [i._num_actors for i in indexers if hasattr(i, "_num_actors")]
     blocks = start(RayData(ds, buffer_bytes=400))
     assert blocks.length_known and blocks.num_rows == 103
