@@ -171,7 +171,8 @@ def role_memory(args) -> None:
     """One backend under torchrun: three steps of the ~50M model, then count what this rank holds."""
     import torch.distributed as dist
 
-    from raytrain import Trainer, TrainerCallback, TrainingArguments, loop  # noqa: F401
+    from raytrain import Trainer, TrainerCallback, TrainingArguments  # noqa: F401
+    from raytrain.worker import loop  # noqa: F401
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     dist.init_process_group("gloo")

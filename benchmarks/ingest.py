@@ -68,7 +68,7 @@ def timed(fn) -> tuple[int, float, float]:
 
 
 def read_all(directory: str) -> dict[str, np.ndarray]:
-    from raytrain.data_files import table_to_numpy
+    from raytrain.data.files import table_to_numpy
     import pyarrow.parquet as pq
     parts = [table_to_numpy(pq.read_table(f), "bench", f) for f in sorted(glob.glob(f"{directory}/*.parquet"))]
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
@@ -80,7 +80,7 @@ class ParquetRows(torch.utils.data.IterableDataset):
 
     def __iter__(self):
         import pyarrow.parquet as pq
-        from raytrain.data_files import column_to_numpy
+        from raytrain.data.files import column_to_numpy
         for f in self.files:
             for rb in pq.ParquetFile(f).iter_batches(batch_size=BATCH):
                 yield {name: torch.from_numpy(column_to_numpy(rb.column(i), name, "bench", f))
@@ -90,7 +90,7 @@ class ParquetRows(torch.utils.data.IterableDataset):
 def part1(rows: int) -> None:
     import ray.data
     from raytrain.data import Files, build_source
-    from raytrain.data_ray import execute
+    from raytrain.data.ray_data import execute
     with tempfile.TemporaryDirectory() as d:
         write_files(d, rows)
         mem = read_all(d)
@@ -140,7 +140,7 @@ def part_beside(rows: int) -> None:
     (what a map_batches stage gets without num_rows) against beside the reader (RayData(num_rows=rows))."""
     import ray.data
     from raytrain.data import build_source
-    from raytrain.data_ray import RayData
+    from raytrain.data.ray_data import RayData
     make = lambda: ray.data.range(rows, override_num_blocks=40).map_batches(_features)  # noqa: E731
     cases = {"executed first": lambda: build_source(RayData(make()), BATCH, seed=0).iter_batches(0),
              "beside": lambda: build_source(RayData(make(), num_rows=rows), BATCH, seed=0).iter_batches(0),
@@ -158,7 +158,7 @@ def part_resume(rows: int) -> None:
     """Time to the first batch when resuming at 90% of an epoch, against at its start (median of 5)."""
     import ray.data
     from raytrain.data import Files, build_source
-    from raytrain.data_ray import execute
+    from raytrain.data.ray_data import execute
     with tempfile.TemporaryDirectory() as d:
         write_files(d, rows)
         ray_blocks = execute(ray.data.read_parquet(d))  # Ray Data runs once, as on the driver; not timed here
@@ -185,7 +185,7 @@ MEMORY_PROBE = """
 import gc, json, sys
 import numpy as np, ray, ray.data
 from raytrain.data import build_source
-from raytrain.data_ray import RayData
+from raytrain.data.ray_data import RayData
 def status(field):
     with open("/proc/self/status") as f:
         return next(int(l.split()[1]) * 1024 for l in f if l.startswith(field))

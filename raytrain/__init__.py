@@ -13,13 +13,12 @@ _EXPORTS = {
     "callbacks": ["CallbackHandler", "DefaultFlowCallback", "EarlyStoppingCallback", "ExportableState",
                   "PrinterCallback", "ProgressCallback", "TrainerCallback"],
     "checkpoint": ["CheckpointError", "get_last_checkpoint", "load_weights", "verify_checkpoint"],
-    "data": ["DataError", "Files", "build_source", "default_collate"],
-    "data_ray": ["RayData"],
-    "loop": ["NonFiniteError"],
+    "data": ["DataError", "Files", "RayData", "build_source", "default_collate"],
+    "worker.loop": ["NonFiniteError"],
     "optim": ["create_optimizer", "create_scheduler", "get_parameter_groups"],
     "state": ["EvalPrediction", "PredictionOutput", "TrainerControl", "TrainerState", "TrainOutput"],
     "trainer": ["Trainer", "set_seed"],
-    "tune": ["BestRun"],
+    "sweep": ["BestRun", "hyperparameter_search"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
 

@@ -23,6 +23,11 @@ def _from(obj: Any, package: str) -> bool:
     return any(c.__module__.split(".")[0] == package for c in type(obj).__mro__)
 
 
+def is_datasets_object(data: Any) -> bool:
+    """Any object of the datasets package (a Dataset, a streaming IterableDataset, ...)."""
+    return _from(data, "datasets")
+
+
 def is_hf_dataset(data: Any) -> bool:
     """A `datasets.Dataset` (map-style, with column names)."""
     return _from(data, "datasets") and hasattr(data, "column_names") and hasattr(data, "__len__")
@@ -59,33 +64,6 @@ def signature_columns(model: Any, label_names: list[str]) -> list[str]:
     except (TypeError, ValueError, AttributeError):
         return []
     return list(dict.fromkeys(names + list(LABEL_ALIASES) + list(label_names)))
-
-
-def prepare_dataset(data: Any, model: Any, args: Any, name: str) -> Any:
-    """A datasets.Dataset (or streaming IterableDataset) as HF's Trainer prepares it: unused columns
-    dropped (remove_unused_columns), `label` / `label_ids` renamed to `labels`. Other inputs are
-    returned unchanged."""
-    if not (_from(data, "datasets") and hasattr(data, "remove_columns")):
-        return data
-    columns = list(getattr(data, "column_names", None) or [])  # None for a stream without features
-    if args.remove_unused_columns and columns:
-        keep = signature_columns(model, args.label_keys)
-        unused = [c for c in columns if c not in keep]
-        if len(unused) == len(columns):
-            from .data import DataError
-            raise DataError(f"{name} ({type(data).__name__}): none of its columns {columns} is an argument of "
-                            f"{type(model).__name__}.forward; set remove_unused_columns=False if a "
-                            "data_collator builds the inputs")
-        if unused:
-            logger.info("%s: columns %s are not arguments of %s.forward and are dropped", name, unused,
-                        type(model).__name__)
-            data = data.remove_columns(unused)
-            columns = [c for c in columns if c not in unused]
-    if "labels" not in columns:
-        alias = next((a for a in LABEL_ALIASES if a in columns), None)
-        if alias is not None:
-            data = data.rename_column(alias, "labels")
-    return data
 
 
 # ---------------------------------------------------------------- outputs

@@ -185,7 +185,7 @@ class _Session:
             self.handler.close()
 
     def fail(self, error: BaseException) -> int:
-        from .interrupt import Interrupted
+        from .worker.signals import Interrupted
 
         if self.log_path is None and self.output_dir is not None:
             try:  # an error before training started: its traceback goes to the run's log all the same
@@ -280,7 +280,7 @@ def _main(ns, session: _Session) -> int:
     session.output_dir = args.output_dir
     resume = _resume_arg(ns.resume, args)
     _status(f"importing torch and {args.model.factory if args.model else 'the model'} ...")
-    from .interrupt import graceful_stop
+    from .worker.signals import graceful_stop
     from .trainer import set_seed
 
     with graceful_stop() as stop:
@@ -289,13 +289,13 @@ def _main(ns, session: _Session) -> int:
         job = build_job(args)
         if not ns.search:
             return _train(ns, session, args, job, resume, stop)
-    from .tune import run_search_cli  # outside graceful_stop: Ray Tune handles Ctrl-C itself
-
-    return run_search_cli(args, job, ns.search, resume)
+    return run_search_cli(  # outside graceful_stop: Ray Tune handles Ctrl-C itself
+        args, job, ns.search, resume)
 
 
 def _train(ns, session: _Session, args: TrainingArguments, job: dict, resume, stop) -> int:
-    from .interrupt import StopOnSignal, ray_train_signals
+    from .driver.signals import ray_train_signals
+    from .worker.signals import StopOnSignal
     from .trainer import Trainer
 
     session.open_log(args.output_dir)
@@ -435,3 +435,34 @@ def _resume_candidate(output_dir: str, resume) -> str | None:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def run_search_cli(args: TrainingArguments, job: dict, path: str, resume: Any = "auto") -> int:
+    """python -m raytrain.run --config X.yaml --search S.yaml [--resume auto|never]"""
+    from .sweep import hyperparameter_search, load_search_spec, space_from_spec
+    from .trainer import Trainer
+
+    spec = load_search_spec(path)
+    space = space_from_spec(spec["space"])
+    factory = import_string(args.model.factory, "model.factory")
+    base_kwargs = args.model.kwargs
+
+    def model_init(**kw):
+        return factory(**{**base_kwargs, **kw})
+
+    job = {k: v for k, v in job.items() if k != "model"}
+    trainer = Trainer(args=args, model_init=model_init, **job)
+    mode = spec.get("mode", "min")
+    direction = [("maximize" if m == "max" else "minimize") for m in mode] if isinstance(mode, list) else \
+        ("maximize" if mode == "max" else "minimize")
+    name = spec.get("name") or os.path.splitext(os.path.basename(path))[0]
+    best = hyperparameter_search(trainer, space, n_trials=spec.get("num_samples", 8), direction=direction,
+                                 scheduler=spec.get("scheduler", "asha"), scheduler_kwargs=spec.get("scheduler_kwargs"),
+                                 max_concurrent_trials=spec.get("max_concurrent_trials"), seed=spec.get("seed"),
+                                 metric=spec.get("metric"), sampler=spec.get("sampler", "tpe"), name=name,
+                                 show_trial_logs=bool(spec.get("show_trial_logs", False)),
+                                 storage_path=spec.get("storage_path"),
+                                 resume="auto" if resume == "auto" else False)
+    for b in best if isinstance(best, list) else [best]:
+        print(f"best trial: objective={b.objective} hyperparameters={b.hyperparameters} checkpoint={b.checkpoint}")
+    return 0

@@ -11,12 +11,13 @@ from typing import Any, Callable
 
 import torch
 
-from . import hf, loop
+from . import hf
+from .worker import loop
 from .args import TrainingArguments
 from .callbacks import CallbackHandler, DefaultFlowCallback, PrinterCallback, ProgressCallback
 from .checkpoint import save_weights
-from .data import count_items
-from .evaluation import EvalLoopOutput, evaluation_loop
+from .data.sources import count_items, is_named_datasets
+from .worker.evaluation import EvalLoopOutput, evaluation_loop
 from .optim import create_optimizer, create_scheduler, get_lr, get_parameter_groups
 from .seeding import set_seed
 from .state import PredictionOutput, TrainerControl, TrainerState, TrainOutput
@@ -90,7 +91,7 @@ class Trainer:
             raise ValueError("Trainer.train() needs a train_dataset")
         self._ignore_keys_for_eval = ignore_keys_for_eval
         if self.args.should_use_distributed:
-            from .launch import run_distributed
+            from .driver.launch import run_distributed
             return run_distributed(self, resume_from_checkpoint)
         if self.model_init is not None and trial is not None:
             set_seed(self.args.seed, self.args.full_determinism)
@@ -98,7 +99,7 @@ class Trainer:
             self.optimizer = self.lr_scheduler = None
             self.__dict__.pop("_model_flops", None)
         self._start_memory_tracking("train")
-        from .interrupt import python_interrupts
+        from .worker.signals import python_interrupts
 
         with python_interrupts(self):  # Ctrl-C: save at the next step, then KeyboardInterrupt
             if not self.args.auto_find_batch_size:
@@ -161,10 +162,10 @@ class Trainer:
     def hyperparameter_search(self, hp_space=None, compute_objective=None, n_trials: int = 20,
                               direction: str = "minimize", backend: str = "ray", hp_name=None, **kwargs):
         """Search hyperparameters with Ray Tune + Optuna TPE and ASHA/PBT; returns a BestRun.
-        Needs model_init; see raytrain.tune.hyperparameter_search for the keyword arguments."""
+        Needs model_init; see raytrain.sweep.search.hyperparameter_search for the keyword arguments."""
         if backend != "ray":
             raise ValueError(f"backend: only 'ray' is supported, got {backend!r}")
-        from .tune import hyperparameter_search
+        from .sweep.search import hyperparameter_search
         return hyperparameter_search(self, hp_space, compute_objective, n_trials, direction, **kwargs)
 
     def add_callback(self, callback) -> None:
@@ -264,15 +265,15 @@ class Trainer:
     def _build_source(self, dataset, batch_size: int, name: str, shuffle: bool, training: bool):
         """A source for `dataset` as HF prepares it; evaluation sources are built (and checked) once per
         dataset and batch size, and reused by every evaluation."""
-        from .data import model_inputs
-        from .data_iterable import build_loader
+        from .data.sources import model_inputs
+        from .data.loaders import build_loader, prepare_dataset
         args, strategy = self.args, self._get_strategy()
         cache = self.__dict__.setdefault("_data_sources", {})
         key = (id(dataset), batch_size, training, strategy.rank, strategy.world_size)
         hit = cache.get(key)
         if hit is not None and hit[0] is dataset and not training:
             return hit[1]
-        source = build_loader(hf.prepare_dataset(dataset, self.model, args, name), batch_size, args,
+        source = build_loader(prepare_dataset(dataset, self.model, args, name), batch_size, args,
                               seed=args.data_seed if args.data_seed is not None else args.seed,
                               drop_last=args.dataloader_drop_last if training else False, shuffle=shuffle,
                               rank=strategy.rank, world_size=strategy.world_size, collate_fn=self.data_collator,
@@ -484,14 +485,6 @@ class Trainer:
                 self.__dict__.pop("_data_sources", None)
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
-
-
-def is_named_datasets(data) -> bool:
-    """A dict of named datasets (HF's multiple eval sets), not a dict of columns: no value is array-like."""
-    import numpy as np
-    return isinstance(data, dict) and bool(data) and not any(
-        isinstance(v, (np.ndarray, torch.Tensor, list, tuple)) or type(v).__module__.startswith("pyarrow")
-        for v in data.values())
 
 
 def _is_out_of_memory(e: BaseException) -> bool:

@@ -97,7 +97,7 @@ def test_weights_resaved_by_another_tool_load_with_a_warning_only_when_named(tmp
     weights = load_file(os.path.join(ck, "model.safetensors"))
     save_file(weights, os.path.join(ck, "model.safetensors"), metadata={"format": "pt"})  # as save_pretrained
     again = Trainer(TinyClassifier(), args_for(tmp_path, max_steps=4, save_steps=2), train_dataset=columns(16))
-    with caplog.at_level(logging.WARNING, logger="raytrain.resume"):
+    with caplog.at_level(logging.WARNING, logger="raytrain.worker.resume"):
         assert again.train(resume_from_checkpoint=ck).global_step == 4
     assert "do not match the manifest" in caplog.text
     # raytrain's own weights that fail the manifest are corruption: refused, naming the file

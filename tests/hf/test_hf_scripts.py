@@ -125,10 +125,10 @@ def test_resume_with_changed_batch_size_warns_and_reaches_max_steps(tmp_path, ca
 
     Trainer(model=scripts.TinyRegressor(), args=args(8, 2), train_dataset=scripts.regression_data()).train()
     trainer = Trainer(model=scripts.TinyRegressor(), args=args(4, 6), train_dataset=scripts.regression_data())
-    with caplog.at_level(logging.WARNING, logger="raytrain.resume"):
+    with caplog.at_level(logging.WARNING, logger="raytrain.worker.resume"):
         out = trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
     assert out.global_step == 6 and trainer.state.global_step == 6
-    assert any(rec.name == "raytrain.resume" and rec.levelno == logging.WARNING and "checkpoint-2" in rec.getMessage()
+    assert any(rec.name == "raytrain.worker.resume" and rec.levelno == logging.WARNING and "checkpoint-2" in rec.getMessage()
                and "batch_size 8 -> 4" in rec.getMessage()
                for rec in caplog.records), [rec.getMessage() for rec in caplog.records]
 
@@ -163,7 +163,7 @@ def test_iterable_dataset_max_steps_sees_every_id_once_per_pass_in_order(tmp_pat
 
 
 def test_iterable_source_shards_disjoint_and_complete_for_two_ranks():
-    from raytrain.data_iterable import IterableSource
+    from raytrain.data.loaders import IterableSource
 
     n, batch = 24, 3
     ranks = []

@@ -100,7 +100,8 @@ def run_backends(config: dict) -> dict:
     (a TorchTrainer start costs ~25 s here, a run a few seconds). Rank 0 returns, per run, its logged
     losses, final step and the error message if it failed."""
     from examples.digits import build_datasets
-    from raytrain import Trainer, loop
+    from raytrain import Trainer
+    from raytrain.worker import loop
 
     train, _ = build_datasets()
     results = {}

@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .data import Columns, DataError, DataFileNotFoundError, Files, MapSource
+from .sources import Columns, DataError, DataFileNotFoundError, Files, MapSource
 
 _FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".tsv": "csv", ".json": "json",
             ".jsonl": "json", ".ndjson": "json"}
@@ -393,7 +393,7 @@ def files_source(spec: Files, batch_size: int, *, columns: list[str] | None, pre
                  name: str, **kw):
     """MapSource when the files fit in memory (`spec.stream` None or False), else a StreamSource: Parquet
     row groups or CSV/JSON files as its blocks."""
-    from .data_stream import StreamSource
+    from .stream import StreamSource
     files, fmt = list_files(spec, name)
     where = spec.path if isinstance(spec.path, str) else (files[0] if len(files) == 1 else
                                                           f"{files[0]} and {len(files) - 1} more")
@@ -441,7 +441,7 @@ def _in_memory(tables, files, spec, batch_size, prefetch_batches, name, where, *
 
 def __getattr__(name: str):
     if name == "StreamSource":  # it moved to data_stream.py (one design for files and Ray Data)
-        from .data_stream import StreamSource
+        from .stream import StreamSource
         return StreamSource
     raise AttributeError(name)
 

@@ -16,11 +16,15 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from typing import Any, Callable, Iterator
 
 import torch
 
-from .data import DataError, _timed, build_source, default_collate
+from .. import hf
+from .sources import DataError, _timed, build_source, default_collate
+
+logger = logging.getLogger(__name__)
 
 
 def build_loader(data: Any, batch_size: int, args: Any, **kw) -> Any:
@@ -39,6 +43,32 @@ def build_loader(data: Any, batch_size: int, args: Any, **kw) -> Any:
                           prefetch_factor=args.dataloader_prefetch_factor,
                           persistent_workers=args.dataloader_persistent_workers)
     return source
+
+
+def prepare_dataset(data: Any, model: Any, args: Any, name: str) -> Any:
+    """A datasets.Dataset (or streaming IterableDataset) as HF's Trainer prepares it: unused columns
+    dropped (remove_unused_columns), `label` / `label_ids` renamed to `labels`. Other inputs are
+    returned unchanged."""
+    if not (hf.is_datasets_object(data) and hasattr(data, "remove_columns")):
+        return data
+    columns = list(getattr(data, "column_names", None) or [])  # None for a stream without features
+    if args.remove_unused_columns and columns:
+        keep = hf.signature_columns(model, args.label_keys)
+        unused = [c for c in columns if c not in keep]
+        if len(unused) == len(columns):
+            raise DataError(f"{name} ({type(data).__name__}): none of its columns {columns} is an argument of "
+                            f"{type(model).__name__}.forward; set remove_unused_columns=False if a "
+                            "data_collator builds the inputs")
+        if unused:
+            logger.info("%s: columns %s are not arguments of %s.forward and are dropped", name, unused,
+                        type(model).__name__)
+            data = data.remove_columns(unused)
+            columns = [c for c in columns if c not in unused]
+    if "labels" not in columns:
+        alias = next((a for a in hf.LABEL_ALIASES if a in columns), None)
+        if alias is not None:
+            data = data.rename_column(alias, "labels")
+    return data
 
 
 def num_batches(source: Any) -> int | None:

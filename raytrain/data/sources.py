@@ -57,7 +57,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 import numpy as np
 import torch
 
-from .args import ConfigError
+from ..args import ConfigError
 
 
 class DataError(ConfigError):
@@ -270,7 +270,7 @@ def as_dataset(data: Any, name: str = "dataset"):
     if isinstance(data, Mapping):
         return Columns(data, name)
     if _is_arrow_table(data):
-        from .data_files import table_to_numpy
+        from .files import table_to_numpy
         return Columns(table_to_numpy(data, name, "pyarrow Table"), name, "pyarrow Table")
     if hasattr(data, "__getitem__") and hasattr(data, "__len__"):
         return data
@@ -408,12 +408,12 @@ def build_source(data: Any, batch_size: int, *, seed: int = 0, shuffle: bool = T
     kw = dict(seed=seed, shuffle=shuffle, drop_last=drop_last, rank=rank, world_size=world_size,
               collate_fn=collate_fn, name=name)
     if isinstance(data, (str, Files)) or _is_path_list(data):
-        from .data_files import files_source
+        from .files import files_source
         spec = data if isinstance(data, Files) else Files(data)
         wanted = _projection(columns) if collate_fn is None else None
         source = files_source(spec, batch_size, columns=wanted, prefetch_batches=prefetch_batches, **kw)
     elif _is_ray(data) or type(data).__name__ in ("RayData", "RayBlocks"):
-        from .data_ray import ray_source
+        from .ray_data import ray_source
         source = ray_source(data, batch_size, prefetch_batches=prefetch_batches, length_optional=length_optional,
                             **kw)
     else:
@@ -462,7 +462,7 @@ _NOT_DATA = {"self", "num_items_in_batch", "return_dict", "output_attentions", "
 
 def model_inputs(model: Any, training: bool = True) -> ModelInputs | None:
     """The batch keys `model.forward` needs; with `training` and a `labels` argument, labels too."""
-    from .strategies.base import unwrap_model
+    from ..strategies.base import unwrap_model
 
     fwd = unwrap_model(model)
     try:
@@ -558,3 +558,10 @@ def _hashable(v) -> bool:
         return True
     except TypeError:
         return False
+
+
+def is_named_datasets(data) -> bool:
+    """A dict of named datasets (HF's multiple eval sets), not a dict of columns: no value is array-like."""
+    return isinstance(data, dict) and bool(data) and not any(
+        isinstance(v, (np.ndarray, torch.Tensor, list, tuple)) or type(v).__module__.startswith("pyarrow")
+        for v in data.values())

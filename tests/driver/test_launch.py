@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from raytrain import Trainer, TrainOutput, load_weights
-from raytrain.launch import _worker_error
+from raytrain.driver.launch import _worker_error
 from tests.strategies._helpers import FaultInjector, WeightsProbe, digits_args, digits_model, state_digest
 
 pytestmark = pytest.mark.ray
@@ -199,7 +199,7 @@ def test_ray_job_submit_end_to_end(ray_head, tmp_path):
     import urllib.request
 
     address, env = ray_head
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     # Without the token: HTTP 401 from the dashboard, and `ray job submit` (RAY_AUTH_MODE unset) refused.
     with pytest.raises(urllib.error.HTTPError) as answer:
         urllib.request.urlopen(f"{address}/api/jobs/", timeout=30)
@@ -254,7 +254,7 @@ def test_cluster_yaml_passes_rays_autoscaler_validation():
     import yaml
     from ray.autoscaler._private.util import prepare_config, validate_config
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     with open(os.path.join(root, "cluster.yaml")) as f:
         raw = yaml.safe_load(f)
     config = prepare_config(copy.deepcopy(raw))

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from .callbacks import TrainerCallback
-from .callbacks.progress import ProgressFeeder, plain_logs, progress_callbacks
-from .checkpoint import MANIFEST, checkpoint_dir, get_last_checkpoint
+from ..callbacks import TrainerCallback
+from ..callbacks.progress import ProgressFeeder, plain_logs, progress_callbacks
+from ..checkpoint import MANIFEST, checkpoint_dir, get_last_checkpoint
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ def train_loop_per_worker(config: dict) -> dict | None:
     import ray.train
 
     from . import loop
-    from .trainer import set_seed
+    from ..seeding import set_seed
 
     ctx = ray.train.get_context()
     os.environ.setdefault("LOCAL_RANK", str(ctx.get_local_rank()))
@@ -159,7 +159,7 @@ def train_loop_per_worker(config: dict) -> dict | None:
     set_seed(trainer.args.seed, trainer.args.full_determinism)  # as Trainer.__init__ did on the driver
     strategy = trainer._get_strategy()  # rank and world from torch.distributed, set up by TorchTrainer
     preemption = PreemptionCallback(strategy)
-    trial = config.get("trial")  # a sweep trial's reporter (raytrain.tune) reports evaluations instead
+    trial = config.get("trial")  # a sweep trial's reporter (raytrain.sweep.search) reports evaluations instead
     trainer.add_callback(trial if trial is not None else RayReportCallback(strategy.rank))
     if config.get("progress") is not None:  # the driver draws the progress; the workers print none of it
         for cb in progress_callbacks(trainer.callback_handler.callbacks):

@@ -51,8 +51,8 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 import numpy as np
 import torch
 
-from .data import DataError, _as_column, _column_type, _rng, _timed, plan_epoch, rank_span
-from .data_files import _apply, _concat, table_to_numpy
+from .sources import DataError, _as_column, _column_type, _rng, _timed, plan_epoch, rank_span
+from .files import _apply, _concat, table_to_numpy
 
 logger = logging.getLogger(__name__)
 

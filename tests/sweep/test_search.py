@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 
 from raytrain import Trainer, TrainingArguments
-from tests.test_tune_restore import moto_bucket
+from tests.sweep.test_restore import moto_bucket
 
 pytestmark = pytest.mark.ray
 
@@ -224,9 +224,9 @@ def test_a_two_worker_trial_at_a_uri_restores_elsewhere_and_restarts_a_killed_wo
     from examples.digits import build_model, compute_metrics
     from raytrain.checkpoint import load_weights
     from raytrain.seeding import set_seed
-    from tests._sweep_driver import KillWorkerOnce, ddp_search, ddp_trainer
+    from tests.sweep._sweep_driver import KillWorkerOnce, ddp_search, ddp_trainer
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address,
            "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     with moto_bucket(monkeypatch) as (fs, uri):
@@ -277,7 +277,7 @@ def test_cli_search_resumes_by_name(ray_cluster, tmp_path):
     spec.write_text("metric: eval_accuracy\nmode: max\nnum_samples: 2\nscheduler: asha\nseed: 1\n"
                     "max_concurrent_trials: 2\nspace:\n  learning_rate: {loguniform: [1.0e-3, 1.0e-2]}\n")
     env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     cmd = [sys.executable, "-m", "raytrain.run", "--config", "examples/digits.yaml", "--search", str(spec),
            "--set", f"output_dir={tmp_path / 'out'}", "--set", "num_train_epochs=2"]
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=400)

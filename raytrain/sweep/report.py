@@ -9,7 +9,7 @@ from typing import Any
 
 from ray.tune import Callback
 
-from ._tune_trial import CKPT_KEY
+from .trial import CKPT_KEY
 
 logger = logging.getLogger(__name__)
 

@@ -54,8 +54,8 @@ from typing import Any
 
 import numpy as np
 
-from .data import DataError, _is_ray
-from .data_stream import DATA_TIMEOUT_ENV, StreamSource, data_timeout_s
+from .sources import DataError, _is_ray
+from .stream import DATA_TIMEOUT_ENV, StreamSource, data_timeout_s
 
 logger = logging.getLogger(__name__)
 
@@ -207,7 +207,7 @@ class RayBlocks:
 
     # -- reading
     def read(self, blk: RayBlock, lo: int, hi: int) -> dict[str, np.ndarray]:
-        from .data_files import table_to_numpy
+        from .files import table_to_numpy
         return table_to_numpy(self.read_many([(blk, lo, hi)])[0], self.name, self.describe(blk))
 
     def tables(self, blocks: list[RayBlock]) -> list:

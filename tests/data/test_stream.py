@@ -18,13 +18,13 @@ import torch
 
 from raytrain import Files, RayData, Trainer, TrainingArguments
 from raytrain.data import DataError, build_source
-from raytrain.data_stream import StreamSource
+from raytrain.data.stream import StreamSource
 from tests.strategies._helpers import state_digest
-from tests.data_helpers import IdLog, Recorder, featurize_ids as _featurize
-from tests.data_helpers import featurize_range as _featurize_ids
-from tests.test_data import columns, ids, write_parquet
+from tests.data.data_helpers import IdLog, Recorder, featurize_ids as _featurize
+from tests.data.data_helpers import featurize_range as _featurize_ids
+from tests.data.test_sources import columns, ids, write_parquet
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _run(cmd: list[str], timeout: int) -> str:
@@ -39,7 +39,7 @@ def _run(cmd: list[str], timeout: int) -> str:
 
 @pytest.mark.timeout(600)
 def test_two_workers_on_a_two_cpu_cluster_train_from_ray_datasets(tmp_path):
-    """Its own cluster of exactly 2 CPUs (tests/data_helpers.py): 2 workers holding both CPUs train on
+    """Its own cluster of exactly 2 CPUs (tests/data/data_helpers.py): 2 workers holding both CPUs train on
     from_items and evaluate on range + map_batches, and finish; a stage that can never run fails in one
     line, naming it."""
     result = json.loads(_run([sys.executable, os.path.join(ROOT, "tests", "data_helpers.py"), str(tmp_path)], 540))
@@ -69,7 +69,7 @@ def _epochs(data, seed: int, world_size: int = 2, epochs: int = 2, batch_size: i
 def test_two_ranks_cover_each_epoch_once_in_a_seeded_order(ray_cluster, tmp_path):
     parquet = Files(write_parquet(tmp_path / "pq", columns(), files=8, row_group=5), stream=True, buffer_bytes=400)
     assert len(os.listdir(tmp_path / "pq")) == 8
-    from raytrain.data_ray import start
+    from raytrain.data.ray_data import start
     # map_batches: Ray cannot count it, so it is executed first; with num_rows, streamed while it is read.
     # Each runs once here; the sources of every rank and run below share its blocks, as workers do.
     first = start(RayData(_ray_items(90), buffer_bytes=400))
@@ -103,7 +103,7 @@ def test_read_parquet_is_counted_from_its_footers_and_streams_with_a_footer_pool
     import ray
     import ray.data
 
-    from raytrain.data_ray import _ops, start
+    from raytrain.data.ray_data import _ops, start
     d = write_parquet(tmp_path / "pq", columns(), files=8, row_group=5)
     ds = ray.data.read_parquet(d)
     indexers = [getattr(op, "file_indexer", None) for op in _ops(ds._logical_plan.dag)]
@@ -126,7 +126,7 @@ def test_ray_data_streams_beside_the_reader_and_falls_back_in_one_line(ray_clust
 
     import ray.data
 
-    from raytrain.data_ray import start
+    from raytrain.data.ray_data import start
     gate = tmp_path / "go"
 
     def held(batch):
@@ -163,11 +163,11 @@ def test_ray_data_streams_beside_the_reader_and_falls_back_in_one_line(ray_clust
     for per_rank in epochs:
         assert {len(r) for r in per_rank} == {9}
         assert sorted(i for r in per_rank for b in r for i in b) == list(range(100))
-    with caplog.at_level(logging.INFO, logger="raytrain.data_ray"):
+    with caplog.at_level(logging.INFO, logger="raytrain.data.ray_data"):
         assert start(ray.data.range(10).map_batches(_featurize_ids), "train_dataset", spare_cpus=8).complete
         assert start(ray.data.range(10), "train_dataset", spare_cpus=0.5).complete
         assert not start(ray.data.from_items([{"idx": 1}]), "train_dataset", spare_cpus=0).complete  # no task
-    lines = [r.getMessage() for r in caplog.records if r.name == "raytrain.data_ray"]
+    lines = [r.getMessage() for r in caplog.records if r.name == "raytrain.data.ray_data"]
     assert len(lines) == 2 and all("\n" not in ln for ln in lines)
     assert lines[0].startswith("train_dataset: Ray Data executes it in full before training: Ray cannot count "
                                "its rows without running it (MapBatches(featurize_range) may change the row count)")
@@ -188,7 +188,7 @@ def test_a_trainer_streams_a_dataset_ray_cannot_count_when_max_steps_is_set(ray_
         trainer.train(**kw)
         return trainer
     counted = run("counted", RayData(_ray_items(90), buffer_bytes=400, num_rows=90))
-    with caplog.at_level(logging.INFO, logger="raytrain.data_ray"):
+    with caplog.at_level(logging.INFO, logger="raytrain.data.ray_data"):
         unknown = run("unknown", RayData(_ray_items(90), buffer_bytes=400))
     assert not [r for r in caplog.records if "executes it in full" in r.getMessage()]
     assert unknown.model.seen == counted.model.seen
@@ -212,8 +212,8 @@ MEMORY_PROBE = """
 import gc, json, os, sys
 import numpy as np, ray, ray.data
 from raytrain.data import build_source
-from raytrain.data_ray import RayData
-from raytrain.data_stream import _trim
+from raytrain.data.ray_data import RayData
+from raytrain.data.stream import _trim
 
 def private():  # resident anonymous memory: what this process holds itself (object-store pages are shared)
     with open("/proc/self/status") as f:
@@ -341,7 +341,7 @@ def _resumed_elsewhere(make, n: int, stop: int = 5, worlds=((1, 4), (3, 4), (4, 
 def test_a_stream_resumed_on_another_world_size_reads_exactly_the_rest_of_the_epoch(tmp_path, interleaved):
     """In-process (sources for each rank, no Ray): files read as one range per rank, and (interleaved) with
     Ray Data's layout, windows of the ranks interleaved along the stream."""
-    from raytrain.data_stream import _Layout
+    from raytrain.data.stream import _Layout
     spec = Files(write_parquet(tmp_path / "pq", columns(), files=4, row_group=7), stream=True, buffer_bytes=1500)
 
     def make(world, bs, rank):
@@ -368,7 +368,7 @@ def test_a_trainer_resumed_with_another_batch_size_reads_exactly_the_rest_of_the
     first = Trainer(Recorder(4), args(4, 5), train_dataset=spec)
     first.train()
     resumed = Trainer(Recorder(4), args(2, 49), train_dataset=spec)
-    with caplog.at_level(logging.WARNING, logger="raytrain.resume"):
+    with caplog.at_level(logging.WARNING, logger="raytrain.worker.resume"):
         resumed.train(resume_from_checkpoint=True)
     msg = next(r.getMessage() for r in caplog.records if "the rest of epoch" in r.getMessage())
     assert "batch_size 4 -> 2" in msg and "each once) is split between this run's ranks from batch 10" in msg

@@ -42,13 +42,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from . import checkpoint as ckpt
-from . import hf, resume
-from .data import check_same_schema, count_items
-from .data_iterable import LoaderSource, check_iterable_training, num_batches
-from .optim import scheduler_needs_metric
+from .. import checkpoint as ckpt
+from .. import hf
+from . import resume
+from ..data.sources import check_same_schema, count_items, is_named_datasets
+from ..data.loaders import LoaderSource, check_iterable_training, num_batches
+from ..optim import scheduler_needs_metric
 from .resume import DATA_STATE, LOOP_STATE
-from .state import TrainerState, TrainOutput
+from ..state import TrainerState, TrainOutput
 
 logger = logging.getLogger(__name__)
 
@@ -170,7 +171,6 @@ def _train_source(trainer, strategy):
         data = LoaderSource(data, rank=strategy.rank, world_size=strategy.world_size)
     check_iterable_training(data, trainer.args.max_steps)
     if trainer.eval_dataset is not None:  # a mismatched eval set fails now, not at the first evaluation
-        from .trainer import is_named_datasets
         evals = trainer.eval_dataset if is_named_datasets(trainer.eval_dataset) else {None: trainer.eval_dataset}
         for name in evals:
             check_same_schema(data, trainer.get_eval_dataloader(name))

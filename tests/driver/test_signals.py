@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from raytrain import verify_checkpoint
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = 2 * 45
 
 

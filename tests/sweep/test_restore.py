@@ -18,7 +18,7 @@ import pytest
 
 pytestmark = pytest.mark.ray
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _driver(out, mode, env):
@@ -80,9 +80,9 @@ def _searcher(db, sampler="tpe"):
     """raytrain's OptunaSearch over a SQLite study, as hyperparameter_search builds it."""
     import optuna
 
-    from raytrain.search_space import space_from_spec
-    from raytrain.sweep_sampler import make_sampler
-    from raytrain.tune import _search_class
+    from raytrain.sweep.space import space_from_spec
+    from raytrain.sweep.sampler import make_sampler
+    from raytrain.sweep.search import _search_class
 
     space = space_from_spec({"learning_rate": {"loguniform": [1e-4, 1e-1]}, "weight_decay": {"uniform": [0, 0.1]},
                              "model.hidden_size": {"choice": [16, 32, 64]}})
@@ -210,7 +210,7 @@ def test_cloud_storage_path_persists_the_sweep_and_restores_without_the_local_di
 
     from examples.digits import build_model, compute_metrics
     from raytrain import Trainer, TrainingArguments
-    from raytrain._tune_trial import _fetch_checkpoint
+    from raytrain.sweep.trial import _fetch_checkpoint
     from raytrain.checkpoint import load_weights, verify_checkpoint
 
     with moto_bucket(monkeypatch) as (fs, uri):

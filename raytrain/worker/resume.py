@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from . import checkpoint as ckpt
-from .state import TrainerControl, TrainerState
+from .. import checkpoint as ckpt
+from ..state import TrainerControl, TrainerState
 
 if TYPE_CHECKING:
     from .loop import _Run

@@ -7,7 +7,7 @@ import optuna
 import pytest
 
 from raytrain.args import ConfigError
-from raytrain.search_space import load_search_spec, space_from_spec
+from raytrain.sweep.space import load_search_spec, space_from_spec
 
 
 @pytest.mark.parametrize("space, message", [
@@ -105,8 +105,8 @@ def test_schedulers_and_samplers_by_name():
     import optuna
     from ray.tune import schedulers as s
 
-    from raytrain.sweep_sampler import TrialSeededSampler, make_sampler
-    from raytrain.tune import _scheduler
+    from raytrain.sweep.sampler import TrialSeededSampler, make_sampler
+    from raytrain.sweep.search import _scheduler
 
     assert _scheduler("none", None, {}) is None
     assert isinstance(_scheduler("asha", None, {}), s.AsyncHyperBandScheduler)
@@ -137,7 +137,7 @@ def test_asha_and_hyperband_cut_at_rungs_not_at_rays_max_t_of_100():
 
     from ray.tune.schedulers import TrialScheduler
 
-    from raytrain.tune import _scheduler
+    from raytrain.sweep.search import _scheduler
 
     for name in ("asha", "hyperband"):
         sched = _scheduler(name, None, {})

@@ -19,9 +19,9 @@ import time
 from ray.train.torch import TorchConfig
 from ray.train.torch.config import _TorchBackend
 
-from . import _ray_worker
-from .data_ray import blocks_for_workers
-from .state import TrainerState, TrainOutput
+from ..worker import ray_worker as _ray_worker
+from ..data.ray_data import blocks_for_workers
+from ..state import TrainerState, TrainOutput
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ def _driver_progress(trainer, poll_s: float = 0.2):
     Yields the actor's handle for the workers (None when the trainer shows no progress)."""
     import ray
 
-    from .callbacks.progress import ProgressFeed, ProgressReplay, progress_callbacks
+    from ..callbacks.progress import ProgressFeed, ProgressReplay, progress_callbacks
 
     callbacks = progress_callbacks(trainer.callback_handler.callbacks)
     if not callbacks:
@@ -151,7 +151,7 @@ def _apply_result(trainer, value: dict) -> TrainOutput:
     """Rank 0's answer into the driver's trainer, which then evaluates and saves in-process."""
     import torch
 
-    from .strategies.single import SingleProcessStrategy
+    from ..strategies.single import SingleProcessStrategy
 
     trainer.state = TrainerState(**_json(value["state"]))
     weights = torch.load(io.BytesIO(value["weights"]), map_location="cpu", weights_only=True)

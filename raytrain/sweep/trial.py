@@ -20,8 +20,8 @@ import time
 import traceback
 from typing import Any, Callable
 
-from .args import TrainingArguments, apply_overrides
-from .callbacks import TrainerCallback
+from ..args import TrainingArguments, apply_overrides
+from ..callbacks import TrainerCallback
 
 logger = logging.getLogger(__name__)
 
@@ -152,7 +152,7 @@ def _resume_point(trial_dir: str) -> tuple[str | None, bool]:
     checkpoint (after a driver restore it may be newer than the last one Tune heard of)."""
     from ray import tune
 
-    from .checkpoint import get_last_checkpoint
+    from ..checkpoint import get_last_checkpoint
 
     restored = tune.get_checkpoint()
     if restored is not None and _is_raytrain_checkpoint(restored):
@@ -173,7 +173,7 @@ def _is_raytrain_checkpoint(checkpoint) -> bool:
     """A URI sweep reports raytrain's checkpoint itself (no pointer file)."""
     import pyarrow.fs
 
-    from .checkpoint import TRAINER_STATE
+    from ..checkpoint import TRAINER_STATE
 
     info = checkpoint.filesystem.get_file_info(f"{checkpoint.path}/{TRAINER_STATE}")
     return info.type == pyarrow.fs.FileType.File
@@ -186,7 +186,7 @@ def _fetch_checkpoint(checkpoint, trial_dir: str) -> tuple[str, bool]:
     directory as checkpoint-<step>, where raytrain's resume and rotation find it."""
     import shutil
 
-    from .checkpoint import TRAINER_STATE, checkpoint_dir, get_last_checkpoint, sorted_checkpoints
+    from ..checkpoint import TRAINER_STATE, checkpoint_dir, get_last_checkpoint, sorted_checkpoints
 
     own = os.path.basename(os.path.dirname(checkpoint.path)) == os.path.basename(trial_dir)
     with checkpoint.filesystem.open_input_file(f"{checkpoint.path}/{TRAINER_STATE}") as f:
@@ -232,15 +232,15 @@ def run_trial(config: dict[str, Any], spec: dict[str, Any]) -> None:
 def _run_trial(config: dict[str, Any], spec: dict[str, Any], trial_dir: str) -> None:
     from ray import tune
 
-    from .seeding import set_seed
-    from .trainer import Trainer
+    from ..seeding import set_seed
+    from ..trainer import Trainer
 
     ctx = tune.get_context()
     trial_id = ctx.get_trial_id()
     args = trial_args(spec["args"], config, trial_dir, spec["metric"], spec["mode"])
     set_seed(args.seed, args.full_determinism)  # a trial's initial weights follow the seed too
     if spec.get("mlflow"):
-        from .sweep_tracking import start_child_run
+        from .tracking import start_child_run
         start_child_run(spec["mlflow"], trial_id, config, args)
     model = _call_model_init(spec["model_init"], config)
     trainer = Trainer(model=model, args=args, callbacks=copy.deepcopy(spec["callbacks"]), **spec["trainer_kwargs"])
@@ -283,8 +283,8 @@ def _run_distributed(trainer, resume: str | None, reporter: _WorkerReporter, tri
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    from . import _ray_worker
-    from .launch import _RaytrainTorchConfig, _worker_error
+    from ..worker import ray_worker as _ray_worker
+    from ..driver.launch import _RaytrainTorchConfig, _worker_error
 
     args = trainer.args
     scaling = args.scaling

@@ -12,8 +12,8 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from .data import count_items
-from .state import EvalPrediction
+from ..data.sources import count_items
+from ..state import EvalPrediction
 
 
 class EvalLoopOutput(NamedTuple):

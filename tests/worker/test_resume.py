@@ -210,7 +210,7 @@ def test_resume_with_changed_batch_size_or_accumulation_continues_at_the_same_sa
     make_trainer(tmp_path, max_steps=10, callbacks=[StopAt(5)]).train()
     data = CountingDataset()
     resumed = make_trainer(tmp_path, data=data, max_steps=7, **change)
-    with caplog.at_level(logging.WARNING, logger="raytrain.resume"):
+    with caplog.at_level(logging.WARNING, logger="raytrain.worker.resume"):
         resumed.train(resume_from_checkpoint=True)
     assert expected in caplog.text and "epoch 0 continues at sample 20 of the same order" in caplog.text
     bs = change.get("per_device_train_batch_size", BATCH)
@@ -223,7 +223,7 @@ def test_resume_with_ignore_data_skip_restarts_the_epoch(tmp_path, caplog):
     make_trainer(tmp_path, max_steps=10, callbacks=[StopAt(5)]).train()
     data = CountingDataset()
     resumed = make_trainer(tmp_path, data=data, max_steps=8, ignore_data_skip=True)
-    with caplog.at_level(logging.WARNING, logger="raytrain.resume"):
+    with caplog.at_level(logging.WARNING, logger="raytrain.worker.resume"):
         resumed.train(resume_from_checkpoint=True)
     assert "max_steps 10 -> 8" in caplog.text  # the schedule change is named
     assert data.fetched[:BATCH] == MapSource(make_data(), BATCH, seed=0).batch_indices(0, 0).tolist()
@@ -236,7 +236,7 @@ def test_every_loop_field_is_saved_or_deliberately_not(tmp_path):
     import dataclasses
     import json
 
-    from raytrain.loop import _Run
+    from raytrain.worker.loop import _Run
     rebuilt = {"trainer", "strategy", "data", "steps_per_epoch", "num_batches", "exhausted", "writer",
                "last_saved", "epoch", "next_batch"}  # the last two travel in data_state.json
     make_trainer(tmp_path, max_steps=1).train()

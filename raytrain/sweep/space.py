@@ -20,7 +20,7 @@ from typing import Any
 
 import yaml
 
-from .args import ConfigError
+from ..args import ConfigError
 
 _RANGES = {"uniform": 2, "loguniform": 2, "quniform": 3, "int": 2, "logint": 2, "randint": 2}
 DISTRIBUTIONS = sorted([*_RANGES, "choice"])

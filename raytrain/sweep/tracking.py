@@ -87,7 +87,7 @@ def start_child_run(info: dict, trial_id: str, params: dict, args=None) -> str:
         run = client.create_run(info["experiment_id"], run_name=f"trial_{trial_id}",
                                 tags={"mlflow.parentRunId": info["parent_id"], "raytrain.trial_id": trial_id})
         if args is not None:
-            from . import tracking
+            from .. import tracking
             tracking.log_params(client, run.info.run_id, tracking.params_of(args, params))
     run_id = run.info.run_id
     os.environ["MLFLOW_TRACKING_URI"] = info["uri"]

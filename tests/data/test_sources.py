@@ -16,13 +16,13 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from tests.data_helpers import Recorder
+from tests.data.data_helpers import Recorder
 from tests.tiny import StopAt
 from raytrain import Trainer, TrainingArguments
-from raytrain.data import (DataError, DataFileNotFoundError, Files, MapSource, build_source, model_inputs,
-                           plan_epoch, trainer_datasets)
-from raytrain.data_files import ParquetReader
-from raytrain.data_stream import StreamSource
+from raytrain.data import DataError, DataFileNotFoundError, Files, MapSource, build_source, model_inputs
+from raytrain.data.sources import plan_epoch, trainer_datasets
+from raytrain.data.files import ParquetReader
+from raytrain.data.stream import StreamSource
 
 N = 103
 
@@ -75,7 +75,7 @@ def ray_blocks(n: int = N):
     if n not in _RAY_BLOCKS:
         import ray.data
 
-        from raytrain.data_ray import execute
+        from raytrain.data.ray_data import execute
         items = [{"idx": i} for i in range(n)]
         cols = columns(n)
 
@@ -458,7 +458,7 @@ def test_the_cli_prints_one_line_for_bad_data(tmp_path, capsys):
     from raytrain.run import main
     config = tmp_path / "c.yaml"
     config.write_text("model: {factory: 'examples.digits:build_model'}\n"
-                      "data: {factory: 'tests.test_data:bad_paths', where: '" + str(tmp_path / "x") + "'}\n"
+                      "data: {factory: 'tests.data.test_sources:bad_paths', where: '" + str(tmp_path / "x") + "'}\n"
                       f"output_dir: {tmp_path / 'out'}\nmax_steps: 1\n")
     assert main(["--config", str(config), "--resume", "never"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -476,7 +476,7 @@ def bad_paths(where: str):
 
 def test_chargpt_short_run_beats_the_unigram_baseline(tmp_path, capsys):
     from raytrain.run import main
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     overrides = ["max_steps=600", "model.n_layer=1", "model.n_embd=64", "data.block_size=32",
                  "per_device_train_batch_size=16", "eval_strategy='no'", "save_strategy='no'", "warmup_steps=10",
                  "learning_rate=0.006", f"output_dir={tmp_path / 'out'}", "disable_tqdm=true"]

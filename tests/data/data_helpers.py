@@ -1,4 +1,4 @@
-"""Helpers of tests/test_data_stream.py that Ray workers import by name (a test module is imported under
+"""Helpers of tests/data/test_stream.py that Ray workers import by name (a test module is imported under
 another name there), and, run as a script, the 2-CPU cluster check: 2 training workers on ray.data inputs
 on a cluster of exactly 2 CPUs; it prints one JSON line (steps trained, the one-line error of a stage
 that can never be scheduled).
@@ -18,7 +18,7 @@ from torch.nn import functional as F
 
 from raytrain import TrainerCallback
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 class Tiny(nn.Module):

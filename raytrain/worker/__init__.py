@@ -1,0 +1,2 @@
+"""WORKER side: the training loop for one rank, evaluation, resume, and the one module that calls
+Ray Train's worker API (ray_worker). Everything here runs without Ray, except ray_worker."""
