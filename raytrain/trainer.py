@@ -71,8 +71,8 @@ class Trainer:
                                if self.args.label_smoothing_factor else None)
         self._strategy = None
         self._ignore_keys_for_eval: list[str] | None = None
-        self._trial_name: str | None = None
-        self._trial_params: dict | None = None
+        self.trial_name: str | None = None  # set by a sweep: its TrainerState says which trial it is
+        self.trial_params: dict | None = None
         defaults = [DefaultFlowCallback, PrinterCallback if self.args.disable_tqdm else ProgressCallback]
         self.callback_handler = CallbackHandler(defaults + _integration_callbacks(self.args) + list(callbacks or []),
                                                 self.model, self.optimizer, self.lr_scheduler)

@@ -244,8 +244,8 @@ def _run_trial(config: dict[str, Any], spec: dict[str, Any], trial_dir: str) -> 
         start_child_run(spec["mlflow"], trial_id, config, args)
     model = _call_model_init(spec["model_init"], config)
     trainer = Trainer(model=model, args=args, callbacks=copy.deepcopy(spec["callbacks"]), **spec["trainer_kwargs"])
-    trainer._trial_name = ctx.get_trial_name()
-    trainer._trial_params = dict(config)
+    trainer.trial_name = ctx.get_trial_name()
+    trainer.trial_params = dict(config)
     resume, cloned = _resume_point(trial_dir)
     if cloned:
         logger.warning("PBT: continuing from %s with learning_rate=%r", resume, args.learning_rate)

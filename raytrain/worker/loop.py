@@ -150,8 +150,8 @@ def _setup(trainer) -> _Run:
         max_steps=max_steps, logging_steps=log_s, eval_steps=eval_s, save_steps=save_s,
         train_batch_size=args.per_device_train_batch_size, num_train_epochs=epochs,
         is_local_process_zero=strategy.local_rank == 0, is_world_process_zero=strategy.is_main,
-        is_hyper_param_search=trainer._trial_name is not None, trial_name=trainer._trial_name,
-        trial_params=trainer._trial_params,
+        is_hyper_param_search=trainer.trial_name is not None, trial_name=trainer.trial_name,
+        trial_params=trainer.trial_params,
     )
     writer = None
     if args.save_strategy != "no":
