@@ -42,7 +42,7 @@ def test_two_workers_on_a_two_cpu_cluster_train_from_ray_datasets(tmp_path):
     """Its own cluster of exactly 2 CPUs (tests/data/data_helpers.py): 2 workers holding both CPUs train on
     from_items and evaluate on range + map_batches, and finish; a stage that can never run fails in one
     line, naming it."""
-    result = json.loads(_run([sys.executable, os.path.join(ROOT, "tests", "data_helpers.py"), str(tmp_path)], 540))
+    result = json.loads(_run([sys.executable, os.path.join(ROOT, "tests", "data", "data_helpers.py"), str(tmp_path)], 540))
     assert result["cpus"] == 2 and result["from_items"] == 4
     [evaluated] = result["range_map_batches"]
     assert evaluated["step"] == 4 and math.isfinite(evaluated["eval_loss"])
