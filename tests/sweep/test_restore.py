@@ -22,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 def _driver(out, mode, env):
-    return subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "_sweep_driver.py"), str(out), mode],
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, "tests", "sweep", "_sweep_driver.py"), str(out), mode],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
@@ -58,7 +58,7 @@ def test_sigkilled_driver_resumes_without_rerunning_finished_trials(ray_cluster,
     assert finished and part_way, "".join(f"{t - killed_at:.1f} {ln}" for t, ln in lines)
     results = {tid: (sweep / f"trial_{tid}" / "result.json").read_bytes() for tid in finished}
 
-    again = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "_sweep_driver.py"), str(out), "resume"],
+    again = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "sweep", "_sweep_driver.py"), str(out), "resume"],
                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert "[sweep] resuming" in again.stdout

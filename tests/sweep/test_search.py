@@ -230,7 +230,7 @@ def test_a_two_worker_trial_at_a_uri_restores_elsewhere_and_restarts_a_killed_wo
     env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address,
            "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     with moto_bucket(monkeypatch) as (fs, uri):
-        driver = subprocess.run([sys.executable, os.path.join(root, "tests", "_sweep_driver.py"),
+        driver = subprocess.run([sys.executable, os.path.join(root, "tests", "sweep", "_sweep_driver.py"),
                                  str(tmp_path / "out"), "ddp", uri], cwd=root, env=env, capture_output=True, text=True,
                                 timeout=400)
         assert driver.returncode == -9, driver.stdout[-3000:] + driver.stderr[-3000:]
