@@ -17,15 +17,14 @@ from enum import Enum
 from typing import Annotated, Any, Callable, Literal, get_args, get_origin, get_type_hints
 
 import yaml
-from pydantic import BaseModel, Field, create_model, field_validator, model_validator
+from pydantic import BaseModel, Field, create_model
 
 from .config import (  # noqa: F401  (re-exported: the sections and errors are part of args' API)
-    ConfigError, DataConfig, DistributedConfig, ModelConfig, ScalingConfig, _Config, _num, _parse_pairs,
-    _parse_scalar, _unknown_field, _value, apply_overrides)
+    ConfigError, DataConfig, DistributedConfig, ModelConfig, ScalingConfig, StrictModel, apply_overrides,
+    unknown_field_message)
+from .validation import ArgumentRules, warn_noop_fields
 
 logger = logging.getLogger(__name__)
-
-SUPPORTED_INTEGRATIONS = ["mlflow"]
 
 _Steps = Literal["no", "steps", "epoch"]
 _SCHEDULES = Literal[
@@ -190,7 +189,7 @@ class TrainingArguments:
 
     def __post_init__(self) -> None:
         self._validate({})
-        _warn_noop_fields(self)
+        warn_noop_fields(self)
 
     def __setattr__(self, name: str, value: Any) -> None:
         # Assignments after construction are validated as a whole, and rolled back when they fail.
@@ -203,7 +202,7 @@ class TrainingArguments:
         elif isinstance(getattr(type(self), name, None), property):
             object.__setattr__(self, name, value)  # raises: read-only property
         else:
-            raise ConfigError(_unknown_field(_schema(), name))
+            raise ConfigError(unknown_field_message(_schema(), name))
 
     def _validate(self, changes: dict[str, Any]) -> None:
         schema = _schema()
@@ -311,7 +310,7 @@ class TrainingArguments:
         names = {f.name for f in fields(cls) if f.init}
         unknown = [k for k in d if k not in names]
         if unknown:
-            raise ConfigError(_unknown_field(_schema(), unknown[0]))
+            raise ConfigError(unknown_field_message(_schema(), unknown[0]))
         return cls(**d)
 
     @classmethod
@@ -343,7 +342,7 @@ def _init(self, *args: Any, **kwargs: Any) -> None:
     names = {f.name for f in fields(TrainingArguments)}
     for key in kwargs:
         if key not in names:
-            raise UnknownFieldError(_unknown_field(_schema(), key))
+            raise UnknownFieldError(unknown_field_message(_schema(), key))
     _dataclass_init(self, *args, **kwargs)
 
 
@@ -372,191 +371,14 @@ def _dist():
     return torch.distributed
 
 
-_HF_NOOP_WARNINGS = {
-    "push_to_hub": "push_to_hub is not supported; the model is saved locally in output_dir",
-    "accelerator_config": "accelerator_config is not supported (no accelerate); use the scaling section",
-    "group_by_length": "group_by_length is not supported; batches are a seeded shuffle",
-    "neftune_noise_alpha": "neftune_noise_alpha is not supported; no embedding noise is added",
-    "use_liger_kernel": "use_liger_kernel is not supported; the model's own kernels are used",
-    "logging_dir": "logging_dir is not used (no TensorBoard); logs are in trainer_state.json and MLflow",
-    "fsdp_config": "fsdp_config is not used; put FSDP options in distributed.fsdp",
-    "include_for_metrics": "include_for_metrics is not supported; EvalPrediction holds predictions and label_ids",
-}
-_warned: set[str] = set()
-
-
-def _warn_noop_fields(args: TrainingArguments) -> None:
-    """Warn once per process for each accepted-but-ignored field that is set (their defaults are off)."""
-    for name, message in _HF_NOOP_WARNINGS.items():
-        if getattr(args, name) and name not in _warned:
-            _warned.add(name)
-            logger.warning(message)
-
-
-class _Rules(_Config):
-    """The validators of TrainingArguments; the schema model adds the fields from the dataclass."""
-
+class _Rules(ArgumentRules):
     @classmethod
-    def field_names(cls) -> list[str]:
+    def field_names(cls) -> list[str]:  # what an unknown field's suggestion is chosen from
         return _field_names()
-
-    @field_validator("*", mode="before")
-    @classmethod
-    def _enum_values(cls, v: Any) -> Any:
-        return v.value if isinstance(v, Enum) else v  # HF's SchedulerType.COSINE and friends
-
-    @field_validator("logging_strategy", "eval_strategy", "save_strategy", mode="before", check_fields=False)
-    @classmethod
-    def _yaml_no(cls, v: Any) -> Any:
-        # YAML 1.1 reads a bare `no` as false: `save_strategy: no` means "no".
-        return "no" if v is False else v
-
-    @field_validator("output_dir", mode="before", check_fields=False)
-    @classmethod
-    def _default_output_dir(cls, v: Any) -> Any:
-        return "trainer_output" if v is None else v
-
-    @field_validator("gradient_checkpointing", "disable_tqdm", mode="before", check_fields=False)
-    @classmethod
-    def _none_is_false(cls, v: Any) -> Any:
-        return False if v is None else v
-
-    @field_validator("optim_args", check_fields=False)
-    @classmethod
-    def _parse_optim_args(cls, v: Any) -> Any:
-        if not isinstance(v, str):
-            return v
-        pairs = _parse_pairs(v)
-        if pairs is None:
-            raise ValueError(f"expected 'key=value,key2=value2', got {v!r}")
-        return pairs
-
-    @field_validator("lr_scheduler_kwargs", "gradient_checkpointing_kwargs", "fsdp_config", "deepspeed",
-                     mode="before", check_fields=False)
-    @classmethod
-    def _parse_json_mapping(cls, v: Any, info) -> Any:
-        if isinstance(v, str) and v.strip().startswith("{"):
-            try:
-                return json.loads(v)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"expected a mapping or a JSON object, got {_value(v)} ({e.msg})") from None
-        if v is None and info.field_name == "lr_scheduler_kwargs":
-            return {}
-        return v
-
-    @field_validator("include_num_input_tokens_seen", check_fields=False)
-    @classmethod
-    def _tokens_seen(cls, v: str | bool) -> str:
-        v = {True: "all", False: "no"}.get(v, v) if isinstance(v, bool) else v
-        if v not in ("no", "all", "non_padding"):
-            raise ValueError(f"must be one of no, all, non_padding (or true/false), got {_value(v)}")
-        return v
-
-    @field_validator("warmup_steps", check_fields=False)
-    @classmethod
-    def _check_warmup_steps(cls, v: float) -> int | float:
-        if v < 0:
-            raise ValueError(f"must be >= 0, got {_num(v)}")
-        if v >= 1 and not float(v).is_integer():
-            raise ValueError(f"a float must be a ratio in (0, 1), got {v}")
-        return int(v) if float(v).is_integer() else v
-
-    @field_validator("warmup_ratio", check_fields=False)
-    @classmethod
-    def _check_warmup_ratio(cls, v: float) -> float:
-        if not 0 <= v < 1:
-            raise ValueError(f"a float must be a ratio in (0, 1), got {v}")
-        return v
-
-    @field_validator("logging_steps", "eval_steps", "save_steps", check_fields=False)
-    @classmethod
-    def _check_steps(cls, v: float | None) -> float | None:
-        if v is not None and v >= 1 and not float(v).is_integer():
-            raise ValueError(f"must be an integer step count or a ratio < 1, got {v}")
-        return v
-
-    @field_validator("report_to", mode="before", check_fields=False)
-    @classmethod
-    def _normalize_report_to(cls, v: Any) -> list[str]:
-        out: list[str] = []
-        for name in [] if v is None else [v] if isinstance(v, str) else v:
-            if name == "all":
-                out += SUPPORTED_INTEGRATIONS
-            elif name in SUPPORTED_INTEGRATIONS:
-                out.append(name)
-            elif name != "none":
-                valid = ", ".join(["none", "all", *SUPPORTED_INTEGRATIONS])
-                raise ValueError(f"must be one of {valid}, got {name!r}")
-        return list(dict.fromkeys(out))
-
-    @model_validator(mode="after")
-    def _check_combinations(self):
-        # Derived defaults go through __dict__: assigning would re-run this validator.
-        if self.eval_strategy == "steps" and self.eval_steps is None:
-            self.__dict__["eval_steps"] = self.logging_steps
-        if self.load_best_model_at_end and self.metric_for_best_model is None:
-            self.__dict__["metric_for_best_model"] = "loss"
-        if self.metric_for_best_model is not None and self.greater_is_better is None:
-            self.__dict__["greater_is_better"] = not self.metric_for_best_model.endswith("loss")
-        if self.torch_compile_backend or self.torch_compile_mode:
-            self.__dict__["torch_compile"] = True
-        self._apply_hf_backends()
-
-        if self.max_steps <= 0 and self.num_train_epochs <= 0:
-            raise ConfigError("max_steps and num_train_epochs: set max_steps > 0 or num_train_epochs > 0")
-        if self.warmup_steps and self.warmup_ratio:
-            raise ConfigError(
-                f"warmup_steps and warmup_ratio: set only one "
-                f"(got warmup_steps={self.warmup_steps}, warmup_ratio={self.warmup_ratio})"
-            )
-        if self.fp16 and self.bf16:
-            raise ConfigError("fp16 and bf16: set only one of them")
-        if self.fp16 and not self.scaling.use_gpu:
-            import torch
-
-            if not torch.cuda.is_available() or self.use_cpu:
-                raise ConfigError("fp16 requires a CUDA GPU (none found and scaling.use_gpu is false); use bf16 on CPU")
-        if self.save_strategy == "best" and self.metric_for_best_model is None:
-            raise ConfigError("save_strategy='best' requires metric_for_best_model to be set")
-        if self.load_best_model_at_end:
-            self._check_load_best()
-        return self
-
-    def _apply_hf_backends(self) -> None:
-        """HF's top-level `deepspeed` / `fsdp` switches select our distributed backend."""
-        dist = self.distributed
-        if dist.strategy != "auto" or not (self.deepspeed or self.fsdp):
-            return
-        update = ({"strategy": "deepspeed", "deepspeed": dist.deepspeed or self.deepspeed} if self.deepspeed
-                  else {"strategy": "fsdp"})
-        # a new section, validated as any other; __dict__ as above, to not re-run this validator
-        self.__dict__["distributed"] = type(dist).model_validate({**dist.model_dump(), **update})
-
-    def _check_load_best(self) -> None:
-        if self.eval_strategy == "no":
-            raise ConfigError("load_best_model_at_end requires eval_strategy 'steps' or 'epoch' (got eval_strategy='no')")
-        if self.save_strategy not in (self.eval_strategy, "best"):
-            raise ConfigError(
-                f"load_best_model_at_end requires save_strategy to match eval_strategy "
-                f"(got save_strategy={self.save_strategy!r}, eval_strategy={self.eval_strategy!r})"
-            )
-        if self.save_strategy != "steps":
-            return
-        save, ev = self.save_steps, self.eval_steps
-        if (save < 1) != (ev < 1):
-            raise ConfigError(
-                f"load_best_model_at_end requires save_steps ({_num(save)}) and eval_steps ({_num(ev)}) "
-                f"to be both step counts or both ratios"
-            )
-        quotient = save / ev
-        if not math.isclose(quotient, round(quotient), rel_tol=1e-9):
-            raise ConfigError(
-                f"load_best_model_at_end requires save_steps ({_num(save)}) to be a multiple of eval_steps ({_num(ev)})"
-            )
 
 
 @functools.cache
-def _schema() -> type[_Config]:
+def _schema() -> type[StrictModel]:
     """The pydantic model that validates TrainingArguments: its fields, types and help, plus _Rules."""
     hints = get_type_hints(TrainingArguments, include_extras=True)
     spec = {}
@@ -575,7 +397,7 @@ def _schema() -> type[_Config]:
 # --- help ------------------------------------------------------------------------------
 
 
-_SECTIONS: dict[str, type[_Config]] = {
+SECTIONS: dict[str, type[StrictModel]] = {
     "model": ModelConfig,
     "data": DataConfig,
     "scaling": ScalingConfig,
@@ -585,7 +407,7 @@ _SECTIONS: dict[str, type[_Config]] = {
 
 def _field_names() -> list[str]:
     names = list(_schema().model_fields)
-    for section, model in _SECTIONS.items():
+    for section, model in SECTIONS.items():
         names += [f"{section}.{n}" for n in model.model_fields]
     return names
 
@@ -600,9 +422,9 @@ def cli_help() -> str:
     rows = []
     for name in _field_names():
         section, _, leaf = name.rpartition(".")
-        if not section and name in _SECTIONS:
+        if not section and name in SECTIONS:
             continue
-        info = (_SECTIONS[section] if section else _schema()).model_fields[leaf]
+        info = (SECTIONS[section] if section else _schema()).model_fields[leaf]
         text = info.description or ""
         if get_origin(info.annotation) is Literal:
             text += f" (one of: {', '.join(map(str, get_args(info.annotation)))})"

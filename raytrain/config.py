@@ -21,7 +21,7 @@ class ConfigError(ValueError):
     """A configuration problem, described in one line."""
 
 
-class _Config(BaseModel):
+class StrictModel(BaseModel):
     """Base of every config model: pydantic's errors become one-line ConfigErrors."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -40,7 +40,7 @@ class _Config(BaseModel):
     def __setattr__(self, name: str, value: Any) -> None:
         forbid = self.model_config.get("extra") == "forbid"
         if forbid and not name.startswith("_") and name not in type(self).model_fields:
-            raise ConfigError(_unknown_field(type(self), name))
+            raise ConfigError(unknown_field_message(type(self), name))
         before = dict(self.__dict__)
         try:
             super().__setattr__(name, value)
@@ -49,7 +49,7 @@ class _Config(BaseModel):
             raise ConfigError(_first_error(type(self), e)) from None
 
 
-class _FactorySection(_Config):
+class _FactorySection(StrictModel):
     """A section whose extra keys are keyword arguments for its factory."""
 
     model_config = ConfigDict(extra="allow")
@@ -83,7 +83,7 @@ class DataConfig(_FactorySection):
     )
 
 
-class ScalingConfig(_Config):
+class ScalingConfig(StrictModel):
     """How many Ray Train workers and what each one gets."""
 
     num_workers: int = Field(1, ge=1, description="number of training workers (processes)")
@@ -100,7 +100,7 @@ class ScalingConfig(_Config):
     storage_path: str | None = Field(None, description="where Ray stores checkpoints and results (local path or URI)")
 
 
-class DistributedConfig(_Config):
+class DistributedConfig(StrictModel):
     """Which distributed backend wraps the model, and its options."""
 
     strategy: Literal["auto", "ddp", "fsdp", "deepspeed"] = Field(
@@ -119,30 +119,30 @@ def _parse_section_text(cls: type, text: str) -> dict[str, Any]:
             value = json.loads(text)
         except json.JSONDecodeError as e:
             raise ConfigError(f"{cls.__name__}: expected 'key=value,key2=value2' or a JSON object, got "
-                              f"{_value(text)} ({e.msg})") from None
+                              f"{show_value(text)} ({e.msg})") from None
         if isinstance(value, dict):
             return value
-    pairs = _parse_pairs(text)
+    pairs = parse_pairs(text)
     if pairs is None:
-        raise ConfigError(f"{cls.__name__}: expected 'key=value,key2=value2' or a JSON object, got {_value(text)}")
+        raise ConfigError(f"{cls.__name__}: expected 'key=value,key2=value2' or a JSON object, got {show_value(text)}")
     return pairs
 
 
-def _parse_pairs(text: str) -> dict[str, Any] | None:
+def parse_pairs(text: str) -> dict[str, Any] | None:
     """'k=v,k2=v2' as a mapping with YAML-typed values; None when it is not of that form."""
     out = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
             return None
-        out[key.strip()] = _parse_scalar(value.strip())
+        out[key.strip()] = parse_scalar(value.strip())
     return out
 
 
 # --- overrides ---------------------------------------------------------------------------
 
 
-def _parse_scalar(text: str) -> Any:
+def parse_scalar(text: str) -> Any:
     """A YAML value; numeric strings YAML leaves alone ("3e-4") become floats."""
     try:
         value = yaml.safe_load(text)
@@ -169,7 +169,7 @@ def apply_overrides(d: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
                 section = ".".join(parents[: i + 1])
                 raise ConfigError(f"--set {item!r}: {section!r} is not a section (it is {node[part]!r})")
             node = node[part]
-        node[leaf] = _parse_scalar(value)
+        node[leaf] = parse_scalar(value)
     return out
 
 
@@ -184,16 +184,16 @@ _EXPECTED = {
 }
 
 
-def _value(v: Any) -> str:
+def show_value(v: Any) -> str:
     text = repr(v)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _num(v: float | None) -> Any:
+def show_number(v: float | None) -> Any:
     return int(v) if isinstance(v, float) and v.is_integer() else v
 
 
-def _unknown_field(root: type[BaseModel], name: str) -> str:
+def unknown_field_message(root: type[BaseModel], name: str) -> str:
     # TrainingArguments' schema offers every dotted name (sections included) to match against.
     names = root.field_names() if hasattr(root, "field_names") else list(root.model_fields)
     match = difflib.get_close_matches(name, names, n=1)
@@ -225,7 +225,7 @@ def _first_error(root: type[BaseModel], exc: ValidationError) -> str:
     kind, ctx = err["type"], err.get("ctx", {})
     parts = _path(root, err["loc"])
     if kind == "extra_forbidden":
-        return _unknown_field(root, ".".join([*parts, str(err["loc"][-1])]))
+        return unknown_field_message(root, ".".join([*parts, str(err["loc"][-1])]))
     field = ".".join(parts) or "config"
     if kind == "value_error":
         cause = ctx.get("error")
@@ -234,14 +234,14 @@ def _first_error(root: type[BaseModel], exc: ValidationError) -> str:
         return f"{field}: must be set"
     if kind == "literal_error":
         choices = ", ".join(re.findall(r"'([^']*)'", ctx["expected"]))
-        return f"{field}: must be one of {choices}, got {_value(err['input'])}"
+        return f"{field}: must be one of {choices}, got {show_value(err['input'])}"
     bounds = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<=", "less_than": "<"}
     if kind in bounds:
-        limit = _num(next(iter(ctx.values())))
-        return f"{field}: must be {bounds[kind]} {limit}, got {_value(err['input'])}"
+        limit = show_number(next(iter(ctx.values())))
+        return f"{field}: must be {bounds[kind]} {limit}, got {show_value(err['input'])}"
     # A union fails once per member: list every expected type at this field.
     same = [e for e in errors if _path(root, e["loc"]) == parts]
     expected = list(dict.fromkeys(_EXPECTED.get(e["type"], e["msg"].lower()) for e in same))
     if "a number" in expected and "an integer" in expected:
         expected.remove("an integer")
-    return f"{field}: expected {' or '.join(expected)}, got {_value(err['input'])}"
+    return f"{field}: expected {' or '.join(expected)}, got {show_value(err['input'])}"

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from raytrain import TrainingArguments, verify_checkpoint
-from raytrain.args import _SECTIONS
+from raytrain.args import SECTIONS
 from raytrain.run import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -121,8 +121,8 @@ def test_help_lists_every_field_and_exits_0(launched):
     out = proc.stdout
     assert out.startswith("usage: python -m raytrain.run")
     for name in _field_names(TrainingArguments):
-        if name in _SECTIONS:
-            for leaf in _field_names(_SECTIONS[name]):
+        if name in SECTIONS:
+            for leaf in _field_names(SECTIONS[name]):
                 assert f"--set {name}.{leaf}=VALUE" in out, f"{name}.{leaf}"
         else:
             assert f"--set {name}=VALUE" in out, name

@@ -81,10 +81,10 @@ def test_accepted_hf_field_constructs(name, tmp_path):
 
 
 def test_push_to_hub_warns_once(tmp_path, caplog, monkeypatch):
-    import raytrain.args
+    import raytrain.validation
 
     _, TrainingArguments = rt()
-    monkeypatch.setattr(raytrain.args, "_warned", set())  # the warning is once per process
+    monkeypatch.setattr(raytrain.validation, "_warned", set())  # the warning is once per process
     with caplog.at_level(logging.WARNING):
         TrainingArguments(str(tmp_path), push_to_hub=True, use_cpu=True, report_to="none")
         TrainingArguments(str(tmp_path), push_to_hub=True, use_cpu=True, report_to="none")

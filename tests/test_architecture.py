@@ -1,0 +1,96 @@
+"""The package's shape (ARCHITECTURE.md): imports flow one way, no circle, small files, no reaching into
+another module's private names."""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGE = os.path.join(ROOT, "raytrain")
+
+
+def _modules() -> dict[str, tuple[str, bool]]:
+    out = {}
+    for folder, _, files in os.walk(PACKAGE):
+        for name in files:
+            if name.endswith(".py"):
+                path = os.path.join(folder, name)
+                module = os.path.relpath(path[:-3], ROOT).replace(os.sep, ".")
+                package = module.endswith(".__init__")
+                out[module.removesuffix(".__init__")] = (path, package)
+    return out
+
+
+def _imports(module: str, path: str, package: bool, known: set[str]):
+    """(imported module, names) for every import in the file, function-level ones included; imports under
+    `if TYPE_CHECKING:` are left out (typing only)."""
+    tree = ast.parse(open(path).read())
+    found = []
+
+    def visit(node):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            return
+        if isinstance(node, ast.Import):
+            found.extend((a.name, []) for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = module.split(".") if package else module.split(".")[:-1]
+                parts = parts[:len(parts) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                found.append((full, []) if full in known else (base, [alias.name]))
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(tree)
+    return [(m, names) for m, names in found if m.split(".")[0] == "raytrain"]
+
+
+def test_lint_imports_keeps_the_layers_and_sees_no_circle():
+    exe = shutil.which("lint-imports") or os.path.join(os.path.dirname(sys.executable), "lint-imports")
+    done = subprocess.run([exe, "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " kept, 0 broken." in done.stdout and "BROKEN" not in done.stdout
+
+
+def test_the_import_graph_has_no_circle():
+    mods = _modules()
+    graph = {m: {dep for dep, _ in _imports(m, p, pkg, set(mods)) if dep in mods and dep != m}
+             for m, (p, pkg) in mods.items()}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def walk(m: str):
+        state[m] = 1
+        stack.append(m)
+        for d in sorted(graph[m]):
+            if state.get(d) == 1:
+                raise AssertionError("import circle: " + " -> ".join(stack[stack.index(d):] + [d]))
+            if d not in state:
+                walk(d)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            walk(m)
+
+
+def test_no_module_imports_another_modules_private_names():
+    mods = _modules()
+    bad = [f"{m} imports {dep}.{name}" for m, (p, pkg) in mods.items()
+           for dep, names in _imports(m, p, pkg, set(mods)) for name in names
+           if name.startswith("_") and not name.startswith("__") and dep != m]
+    assert not bad, "\n".join(bad)
+
+
+def test_no_file_in_the_package_is_over_500_lines():
+    long = {os.path.relpath(p, ROOT): n for p, _ in _modules().values()
+            if (n := sum(1 for _ in open(p))) > 500}
+    assert not long, long
