@@ -20,7 +20,7 @@ from row counts alone, and resuming reads that window only (at most one block pa
 window is batched while the next is loaded in the background: memory is about two windows. Data that
 fits one window is converted once, shuffled in the loader thread, and its batches are slices.
 
-Resume under another layout (world size, batch size, drop_last: `resume_at`). The rest of the
+Resume under another layout (world size, batch size, drop_last: `resume_at`, remap.py). The rest of the
 interrupted epoch is rebuilt from the saved layout alone: for each old rank, the unread rows of the
 window it was in (its window permutation is known) and the windows it had not begun. Those rows, in
 ascending stream position, form a stream of their own that the new world cuts by the same rules
