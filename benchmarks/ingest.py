@@ -68,7 +68,7 @@ def timed(fn) -> tuple[int, float, float]:
 
 
 def read_all(directory: str) -> dict[str, np.ndarray]:
-    from raytrain.data.files import table_to_numpy
+    from raytrain.data.columns import table_to_numpy
     import pyarrow.parquet as pq
     parts = [table_to_numpy(pq.read_table(f), "bench", f) for f in sorted(glob.glob(f"{directory}/*.parquet"))]
     return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
@@ -80,7 +80,7 @@ class ParquetRows(torch.utils.data.IterableDataset):
 
     def __iter__(self):
         import pyarrow.parquet as pq
-        from raytrain.data.files import column_to_numpy
+        from raytrain.data.columns import column_to_numpy
         for f in self.files:
             for rb in pq.ParquetFile(f).iter_batches(batch_size=BATCH):
                 yield {name: torch.from_numpy(column_to_numpy(rb.column(i), name, "bench", f))

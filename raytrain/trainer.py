@@ -16,7 +16,7 @@ from .worker import loop
 from .args import TrainingArguments
 from .callbacks import CallbackHandler, DefaultFlowCallback, PrinterCallback, ProgressCallback
 from .checkpoint import save_weights
-from .data.sources import count_items, is_named_datasets
+from .data.columns import count_items, is_named_datasets
 from .worker.evaluation import EvalLoopOutput, evaluation_loop
 from .optim import create_optimizer, create_scheduler, get_lr, get_parameter_groups
 from .seeding import set_seed
@@ -265,7 +265,7 @@ class Trainer:
     def _build_source(self, dataset, batch_size: int, name: str, shuffle: bool, training: bool):
         """A source for `dataset` as HF prepares it; evaluation sources are built (and checked) once per
         dataset and batch size, and reused by every evaluation."""
-        from .data.sources import model_inputs
+        from .data.build import model_inputs
         from .data.loaders import build_loader, prepare_dataset
         args, strategy = self.args, self._get_strategy()
         cache = self.__dict__.setdefault("_data_sources", {})

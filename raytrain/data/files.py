@@ -1,8 +1,8 @@
-"""Files in: listing, Arrow -> numpy columns, and the block readers StreamSource streams them with.
+"""Files in: listing, reading, and the block readers StreamSource streams them with (files_source).
 
 Parquet: a block is a row group, counted from the file footers without reading data. CSV and JSON
 lines: a block is a file, counted in one streaming pass when the source is built. Either way the
-stream's order, sharding, windows and resume are data_stream.StreamSource's (one design for all).
+stream's order, sharding, windows and resume are stream.StreamSource's (one design for all).
 """
 
 from __future__ import annotations
@@ -10,11 +10,14 @@ from __future__ import annotations
 import glob
 import os
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from .sources import Columns, DataError, DataFileNotFoundError, Files, MapSource
+from .columns import Columns, apply_preprocess, concat_columns, table_to_numpy
+from .errors import DataError, DataFileNotFoundError
+from .sources import Files, MapSource
+from .stream import StreamSource
 
 _FORMATS = {".parquet": "parquet", ".pq": "parquet", ".csv": "csv", ".tsv": "csv", ".json": "json",
             ".jsonl": "json", ".ndjson": "json"}
@@ -118,95 +121,6 @@ def _format_of(path: str) -> str | None:
     for c in _COMPRESSED:
         base = base.removesuffix(c)
     return _FORMATS.get(os.path.splitext(base)[1])
-
-
-# ---------------------------------------------------------------- Arrow -> numpy
-
-
-def table_to_numpy(table, name: str, where: str) -> dict[str, np.ndarray]:
-    """Each column as a numpy array; fixed-shape list/tensor columns as one (rows, *shape) array."""
-    return {f.name: column_to_numpy(table.column(i), f.name, name, where) for i, f in enumerate(table.schema)}
-
-
-def column_to_numpy(col, key: str, name: str, where: str) -> np.ndarray:
-    import pyarrow as pa
-    if col.null_count:
-        raise DataError(f"{name} ({where}): column {key!r} has {col.null_count} null values; fill or drop them "
-                        "(e.g. in preprocess)")
-    if isinstance(col, pa.ChunkedArray):
-        if col.num_chunks == 1:
-            col = col.chunk(0)
-        elif isinstance(col.type, pa.BaseExtensionType):
-            try:  # one conversion of the joined storage, not one per chunk (Ray Data blocks: many chunks)
-                return _array_to_numpy(pa.ExtensionArray.from_storage(col.type, pa.concat_arrays(
-                    [c.storage for c in col.chunks])))
-            except (pa.ArrowInvalid, pa.ArrowNotImplementedError, TypeError):
-                parts = [_array_to_numpy(c) for c in col.chunks]
-                return np.concatenate(parts) if parts else np.empty(0)
-        else:
-            col = col.combine_chunks()
-    return _array_to_numpy(col)
-
-
-def _array_to_numpy(arr) -> np.ndarray:
-    import pyarrow as pa
-    t = arr.type
-    if isinstance(t, pa.BaseExtensionType):
-        if hasattr(arr, "to_numpy_ndarray"):  # pyarrow's fixed_shape_tensor, Ray's ArrowTensorType
-            return np.asarray(arr.to_numpy_ndarray())
-        return arr.to_numpy(zero_copy_only=False)
-    if pa.types.is_fixed_size_list(t):
-        n, size = len(arr), t.list_size
-        inner = _array_to_numpy(arr.values.slice(arr.offset * size, n * size))
-        return inner.reshape((n, size) + inner.shape[1:])
-    if pa.types.is_list(t) or pa.types.is_large_list(t):
-        offsets = np.asarray(arr.offsets)
-        lens = np.diff(offsets)
-        inner = _array_to_numpy(arr.values.slice(offsets[0], offsets[-1] - offsets[0]))
-        if len(lens) and (lens == lens[0]).all():
-            return inner.reshape((len(lens), int(lens[0])) + inner.shape[1:])
-        out = np.empty(len(lens), dtype=object)
-        for i, part in enumerate(np.split(inner, np.cumsum(lens)[:-1]) if len(lens) else []):
-            out[i] = part
-        return out
-    if pa.types.is_dictionary(t):
-        arr = arr.dictionary_decode()
-    return arr.to_numpy(zero_copy_only=False)
-
-
-def _concat(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    if len(parts) == 1:
-        return parts[0]
-    out = {}
-    for k in parts[0]:
-        arrays = [p[k] for p in parts]
-        try:
-            out[k] = np.concatenate(arrays)
-        except ValueError:  # row shapes differ between parts: rows as objects
-            out[k] = np.empty(sum(len(a) for a in arrays), dtype=object)
-            out[k][:] = [row for a in arrays for row in a]
-    return out
-
-
-def _apply(preprocess: Callable | None, cols: dict[str, np.ndarray], name: str, where: str) -> dict:
-    if preprocess is None:
-        return cols
-    n = len(next(iter(cols.values()))) if cols else 0
-    try:
-        out = preprocess(dict(cols))
-    except Exception as e:  # the user's function: its message and the block it failed on, in one line
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        raise DataError(f"{name} ({where}): preprocess {getattr(preprocess, '__name__', '')} raised "
-                        f"{type(e).__name__}: {msg}") from e
-    if not isinstance(out, dict) or not out:
-        raise DataError(f"{name} ({where}): preprocess must return a non-empty dict of arrays, got "
-                        f"{type(out).__name__}")
-    out = {k: v if isinstance(v, np.ndarray) else np.asarray(v) for k, v in out.items()}
-    bad = {k: len(v) for k, v in out.items() if len(v) != n}
-    if bad:
-        raise DataError(f"{name} ({where}): preprocess must keep one row per input row ({n} in), but returned "
-                        f"{bad}; filter or split rows in a ray.data pipeline instead")
-    return out
 
 
 # ---------------------------------------------------------------- reading
@@ -393,7 +307,6 @@ def files_source(spec: Files, batch_size: int, *, columns: list[str] | None, pre
                  name: str, **kw):
     """MapSource when the files fit in memory (`spec.stream` None or False), else a StreamSource: Parquet
     row groups or CSV/JSON files as its blocks."""
-    from .stream import StreamSource
     files, fmt = list_files(spec, name)
     where = spec.path if isinstance(spec.path, str) else (files[0] if len(files) == 1 else
                                                           f"{files[0]} and {len(files) - 1} more")
@@ -430,20 +343,13 @@ def files_source(spec: Files, batch_size: int, *, columns: list[str] | None, pre
 
 
 def _in_memory(tables, files, spec, batch_size, prefetch_batches, name, where, **kw) -> MapSource:
-    parts = [_apply(spec.preprocess, table_to_numpy(t, name, f), name, f) for t, f in zip(tables, files)
+    parts = [apply_preprocess(spec.preprocess, table_to_numpy(t, name, f), name, f) for t, f in zip(tables, files)
              if t.num_rows]
     if not parts:
         raise DataError(f"{name} ({where}): the dataset is empty (0 rows in {len(files)} file(s))")
-    cols = _concat(parts)
+    cols = concat_columns(parts)
     pf = spec.prefetch_batches if prefetch_batches is None else prefetch_batches
     return MapSource(Columns(cols, name, where), batch_size, prefetch_batches=pf, name=name, **kw)
-
-
-def __getattr__(name: str):
-    if name == "StreamSource":  # it moved to data_stream.py (one design for files and Ray Data)
-        from .stream import StreamSource
-        return StreamSource
-    raise AttributeError(name)
 
 
 def _rows(batches, lo: int, hi: int) -> list:

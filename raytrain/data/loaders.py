@@ -1,4 +1,4 @@
-"""Sources beyond data.py's in-memory and file inputs, and the Trainer's one entry point for data.
+"""Sources beyond build_source's inputs, and the Trainer's one entry point for data (build_loader).
 
 - IterableSource: a torch IterableDataset (or a streaming `datasets.IterableDataset`). Items are cut
   into global batches of batch_size * world_size in stream order; rank r takes the r-th part of
@@ -22,23 +22,26 @@ from typing import Any, Callable, Iterator
 import torch
 
 from .. import hf
-from .sources import DataError, _timed, build_source, default_collate
+from .build import build_source
+from .columns import default_collate
+from .errors import DataError
+from .prefetch import timed_batches
 
 logger = logging.getLogger(__name__)
 
 
 def build_loader(data: Any, batch_size: int, args: Any, **kw) -> Any:
-    """The source of `data` for this rank: IterableSource for iterable datasets, else data.build_source
+    """The source of `data` for this rank: IterableSource for iterable datasets, else build_source
     (wrapped in a WorkerPool when args.dataloader_num_workers > 0)."""
     if isinstance(data, torch.utils.data.IterableDataset):
         return IterableSource(data, batch_size, rank=kw["rank"], world_size=kw["world_size"],
                               collate_fn=kw["collate_fn"], drop_last=kw["drop_last"], seed=kw["seed"],
                               name=kw["name"])
-    # training for max_steps needs no epoch length: a ray Dataset of unknown count streams beside (data_ray.py)
+    # training for max_steps needs no epoch length: a ray Dataset of unknown count streams beside (ray_data.py)
     length_optional = kw.get("name") == "train_dataset" and getattr(args, "max_steps", 0) > 0
     source = build_source(data, batch_size, length_optional=length_optional, **kw)
     workers = getattr(args, "dataloader_num_workers", 0)
-    if workers and hasattr(source, "batch_indices") and hasattr(source, "_fetch"):
+    if workers and hasattr(source, "batch_indices") and hasattr(source, "fetch"):
         return WorkerPool(source, workers, pin_memory=args.dataloader_pin_memory and torch.cuda.is_available(),
                           prefetch_factor=args.dataloader_prefetch_factor,
                           persistent_workers=args.dataloader_persistent_workers)
@@ -100,7 +103,7 @@ class IterableSource:
     def iter_batches(self, epoch: int, start: int = 0) -> Iterator[dict]:
         if hasattr(self.dataset, "set_epoch"):
             self.dataset.set_epoch(epoch)  # datasets' streaming shuffle is reseeded per epoch
-        return _timed(self, itertools.islice(self._batches(), start, None), 0)
+        return timed_batches(self, itertools.islice(self._batches(), start, None), 0)
 
     def _batches(self) -> Iterator[dict]:
         gb, ws = self.batch_size * self.world_size, self.world_size
@@ -149,7 +152,7 @@ class LoaderSource:
         for obj in (self.loader, getattr(self.loader, "sampler", None), getattr(self.loader, "dataset", None)):
             if hasattr(obj, "set_epoch"):
                 obj.set_epoch(epoch)
-        return _timed(self, itertools.islice(iter(self.loader), start, None), 0)
+        return timed_batches(self, itertools.islice(iter(self.loader), start, None), 0)
 
     def state(self) -> dict:
         return {"kind": self.kind, "batch_size": self.batch_size, "world_size": self.world_size}
@@ -166,7 +169,7 @@ class _Batches(torch.utils.data.Dataset):
         return len(self.source) - self.start
 
     def __getitem__(self, i: int) -> dict:
-        return self.source._fetch(self.source.batch_indices(self.epoch, self.start + i, self.order))
+        return self.source.fetch(self.source.batch_indices(self.epoch, self.start + i, self.order))
 
 
 class WorkerPool:
@@ -191,7 +194,7 @@ class WorkerPool:
             return iter(())
         loader = torch.utils.data.DataLoader(_Batches(self.source, epoch, start), batch_size=None, shuffle=False,
                                              **self.loader_kwargs)
-        return _timed(self.source, iter(loader), 0)
+        return timed_batches(self.source, iter(loader), 0)
 
 
 def check_iterable_training(source: Any, max_steps: int) -> None:

@@ -6,7 +6,7 @@ its output blocks arrive in a fixed order. A thread of the process that owns the
 under launch.py, or the training process itself) keeps that executor running and *publishes* each
 block's reference and row count as it arrives (`_Board`: an object in-process, a CPU-less actor for Ray
 Train workers). The blocks stay in Ray's object store, one copy for all workers, executed once: later
-epochs reuse them. Ranks read their windows (data_stream.py) as soon as the blocks they need exist.
+epochs reuse them. Ranks read their windows (stream.py) as soon as the blocks they need exist.
 
 Beside training, what cannot be known before the data exists, and how raytrain decides:
 
@@ -18,7 +18,7 @@ Beside training, what cannot be known before the data exists, and how raytrain d
   stream checks it and fails in one line if the data disagrees). Ray declares `map_batches`, `filter`
   and `flat_map` may change the row count. Such a train set with max_steps > 0 streams beside
   training all the same: its count is learnt when Ray Data ends, the epoch ends when its batches do,
-  and until then each rank reads only windows the rows published prove whole (data_stream.py), so
+  and until then each rank reads only windows the rows published prove whole (stream.py), so
   order, equal steps and coverage are those of a known count. Otherwise (no max_steps, an eval set)
   it is executed in full before training, said in one info line. Ray 2.60 has no public count that
   never executes (`count()` runs the plan when the metadata lacks it), so `_meta_count` and the plan
@@ -54,10 +54,16 @@ from typing import Any
 
 import numpy as np
 
-from .sources import DataError, _is_ray
+from .columns import table_to_numpy
+from .errors import DataError
 from .stream import DATA_TIMEOUT_ENV, StreamSource, data_timeout_s
 
 logger = logging.getLogger(__name__)
+
+
+def is_ray_dataset(data) -> bool:
+    """A ray.data object (Dataset, DataIterator), told by its module: ray is not imported to ask."""
+    return type(data).__module__.startswith("ray.data")
 
 
 @dataclass
@@ -207,7 +213,6 @@ class RayBlocks:
 
     # -- reading
     def read(self, blk: RayBlock, lo: int, hi: int) -> dict[str, np.ndarray]:
-        from .files import table_to_numpy
         return table_to_numpy(self.read_many([(blk, lo, hi)])[0], self.name, self.describe(blk))
 
     def tables(self, blocks: list[RayBlock]) -> list:
@@ -477,21 +482,3 @@ def _failed(name: str, where: str, error: BaseException, count: int) -> str:
     what = user[0] if user else f"{type(error).__name__}: {text.strip().splitlines()[0] if text.strip() else ''}"
     at = f"stage {stage.group(1)}" if stage else "Ray Data"
     return f"{name} ({where}): {at} raised {what} (on block {count} of the stream or a later one in flight)"
-
-
-def blocks_for_workers(trainer, scaling=None) -> dict[str, RayBlocks]:
-    """Driver side: start Ray Data on the trainer's ray Datasets and hand every worker the same blocks
-    (launch.py passes them in the train-loop config). Beside training when the cluster's CPUs cover the
-    training workers (`scaling`, a ScalingConfig) and the data's stages, and the row count is known
-    without executing or (the train set, max_steps set) need not be; else executed first."""
-    import ray
-    spare = None
-    if scaling is not None:
-        spare = ray.cluster_resources().get("CPU", 0) - scaling.total_resources.get("CPU", 0)
-    out = {}
-    for key in ("train_dataset", "eval_dataset"):
-        value = getattr(trainer, key, None)
-        if value is not None and (_is_ray(value) or isinstance(value, RayData)):
-            out[key] = start(value, key, spare_cpus=spare, remote=True,
-                             length_optional=key == "train_dataset" and trainer.args.max_steps > 0)
-    return out

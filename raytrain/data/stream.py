@@ -7,7 +7,7 @@ a reader that returns rows [lo, hi) of one block. An epoch of one rank:
 - order: the blocks in a seeded permutation of (seed, epoch), concatenated into one stream of rows;
   for Ray Data (`reader.arrives_in_order`), epoch 0 takes the blocks in output order, so that it can
   be read while Ray Data still produces it (later epochs wait for all blocks and permute them);
-- share: each rank takes as many rows as the sharding rule gives it (data.plan_epoch / rank_span:
+- share: each rank takes as many rows as the sharding rule gives it (sharding.py:
   every rank the same number of batches, the same batch sizes as for in-memory data): files as one
   contiguous range of the stream (each rank reads only its own blocks, plus at most two it shares
   with a neighbour); Ray Data as interleaved windows (rank r the r-th window of each group of
@@ -20,7 +20,7 @@ from row counts alone, and resuming reads that window only (at most one block pa
 window is batched while the next is loaded in the background: memory is about two windows. Data that
 fits one window is converted once, shuffled in the loader thread, and its batches are slices.
 
-Resume under another layout (world size, batch size, drop_last: `resume_at`). The rest of the
+Resume under another layout (world size, batch size, drop_last: `resume_at`, remap.py). The rest of the
 interrupted epoch is rebuilt from the saved layout alone: for each old rank, the unread rows of the
 window it was in (its window permutation is known) and the windows it had not begun. Those rows, in
 ascending stream position, form a stream of their own that the new world cuts by the same rules
@@ -51,8 +51,11 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 import numpy as np
 import torch
 
-from .sources import DataError, _as_column, _column_type, _rng, _timed, plan_epoch, rank_span
-from .files import _apply, _concat, table_to_numpy
+from .columns import apply_preprocess, as_column, column_type, concat_columns, table_to_numpy
+from .errors import DataError
+from .prefetch import timed_batches
+from .remap import Remap, TooFew
+from .sharding import Layout, seeded_rng, window_perm
 
 logger = logging.getLogger(__name__)
 
@@ -96,52 +99,7 @@ class BlockReader(Protocol):
     def describe(self, block: Any) -> str: ...  # the file / row group / Ray block, for messages
 
 
-class _Layout:
-    """Where one rank's rows of an epoch lie in a stream of `n` rows (the sharding rule, cut into windows):
-    each rank one contiguous range, or (`interleaved`, Ray) windows in groups of world_size. Depends only
-    on these numbers; a resume on another world size rebuilds the interrupted run's layouts from them."""
-
-    def __init__(self, n: int, batch_size: int, world_size: int, rank: int, drop_last: bool, window_rows: int,
-                 interleaved: bool, name: str = "dataset"):
-        self.batch_size, self.world_size, self.rank, self.window_rows = batch_size, world_size, rank, window_rows
-        self.in_order = interleaved
-        self._num_batches, self._used = plan_epoch(n, batch_size, world_size, drop_last, name)
-        # This rank's range of the epoch's stream: the rows the sharding rule gives each rank before it.
-        sizes = [self._rank_rows(r) for r in range(world_size)]
-        self.range_start, self.range_rows = sum(sizes[:rank]), sizes[rank]
-        # Windows by the batches' first rows (the last batch may be one row longer): the last may be short.
-        self.num_windows = (self._num_batches - 1) * batch_size // window_rows + 1
-
-    def _rank_rows(self, r: int) -> int:
-        lo, hi = rank_span(self._num_batches - 1, self._num_batches, self._used, self.batch_size,
-                           self.world_size, r)
-        return (self._num_batches - 1) * self.batch_size + (hi - lo)
-
-    def _last(self, k: int) -> bool:
-        return self.num_windows is not None and k == self.num_windows - 1  # None: a count not known yet
-
-    def _window_range(self, k: int) -> tuple[int, int]:
-        """Window k's rows in this rank's local order: [lo, hi) from the start of the rank's range."""
-        lo = k * self.window_rows
-        return lo, self.range_rows if self._last(k) else lo + self.window_rows
-
-    def _stream_span(self, k: int) -> tuple[int, int]:
-        """Window k's rows as positions [lo, hi) in the epoch's stream. Contiguous: each rank one range of
-        the stream. Interleaved (Ray): windows in groups of world_size, rank r the r-th of each group; the
-        last (short) windows of all ranks follow each other, so the ranks' rows still tile the stream."""
-        wlo, whi = self._window_range(k)
-        if not self.in_order:
-            return self.range_start + wlo, self.range_start + whi
-        w, ws = self.window_rows, self.world_size
-        if not self._last(k):
-            lo = (k * ws + self.rank) * w
-            return lo, lo + w
-        tail = (self.num_windows - 1) * w  # rows before the last window, the same on every rank
-        lo = tail * ws + sum(self._rank_rows(r) - tail for r in range(self.rank))
-        return lo, lo + whi - wlo
-
-
-class StreamSource(_Layout):
+class StreamSource(Layout):
     """Batches for one rank read from `reader`'s blocks: seeded block order, rank range, window shuffle."""
 
     kind = "stream"
@@ -171,17 +129,17 @@ class StreamSource(_Layout):
         self.buffer_rows = max(1, buffer_bytes // row_bytes)  # from the data and settings: same on resume
         window_rows = max(1, self.buffer_rows // batch_size) * batch_size
         if self.length_known:
-            _Layout.__init__(self, self.num_samples, batch_size, world_size, rank, drop_last, window_rows,
-                             self.in_order, name)
+            Layout.__init__(self, self.num_samples, batch_size, world_size, rank, drop_last, window_rows,
+                            self.in_order, name)
         else:  # what does not depend on the count; the rest once it is known (_learn)
             self.window_rows = window_rows
-            self._num_batches = self._used = self.range_start = self.range_rows = self.num_windows = None
+            self.num_batches = self.range_start = self.range_rows = self.num_windows = None
         # Data within one window is converted once and kept (two windows at most): the epochs of a small
         # dataset then cost a join, not a fetch and conversion each (a wait when steps take milliseconds).
         self.small, self._cache = self.length_known and self.num_samples <= self.buffer_rows, {}
         # malloc_trim walks the heap (milliseconds on the training thread): worth it for windows that matter
         self.trim = self.window_rows * row_bytes >= TRIM_BYTES
-        self._remap: _Remap | None = None  # the rest of an epoch interrupted under another layout (resume_at)
+        self._remap: Remap | None = None  # the rest of an epoch interrupted under another layout (resume_at)
         self._ahead = None  # ((epoch, k), Future): the window being loaded next
         self._loader: ThreadPoolExecutor | None = None
         self.wait_s = 0.0
@@ -200,17 +158,17 @@ class StreamSource(_Layout):
     def __len__(self) -> int:
         if not self.length_known:  # fixed when built, so that a resumed run plans its steps alike
             raise TypeError(f"{self.name}: a Ray Data stream whose row count is learnt when it ends has no length")
-        return self._num_batches
+        return self.num_batches
 
     def _learn(self) -> bool:
         """Whether the count is known: for a stream of unknown length, whether Ray Data has ended (its
         layout is then the sharding rule's, as if the count had been known up front)."""
-        if self._num_batches is None:
+        if self.num_batches is None:
             self.reader.refresh()
             if not self.reader.complete:
                 return False
-            _Layout.__init__(self, self.reader.num_rows, self.batch_size, self.world_size, self.rank,
-                             self.drop_last, self.window_rows, self.in_order, self.name)
+            Layout.__init__(self, self.reader.num_rows, self.batch_size, self.world_size, self.rank,
+                            self.drop_last, self.window_rows, self.in_order, self.name)
             self.num_samples = self.reader.num_rows
         return True
 
@@ -218,8 +176,8 @@ class StreamSource(_Layout):
         """Windows of epoch 0 certainly whole and not the last, whatever the count turns out to be: those of
         the rows published so far but the last (a larger count never has fewer windows)."""
         try:
-            return _Layout(self.reader.published_rows, self.batch_size, self.world_size, self.rank,
-                           self.drop_last, self.window_rows, True).num_windows - 1
+            return Layout(self.reader.published_rows, self.batch_size, self.world_size, self.rank,
+                          self.drop_last, self.window_rows, True).num_windows - 1
         except DataError:  # fewer rows than one batch per rank so far
             return 0
 
@@ -240,7 +198,7 @@ class StreamSource(_Layout):
         n = len(self.blocks)
         if self.in_order and epoch == 0:
             return np.arange(n)  # the blocks as they arrive: a rank need not wait for the whole dataset
-        return _rng(self.seed, epoch, 1).permutation(n) if self.shuffle else np.arange(n)
+        return seeded_rng(self.seed, epoch, 1).permutation(n) if self.shuffle else np.arange(n)
 
     def _wait(self, epoch: int, rows: int) -> None:
         """Until the blocks the first `rows` rows of `epoch`'s stream need exist (all of them, for a permuted
@@ -252,24 +210,24 @@ class StreamSource(_Layout):
         """Window k's rows as read, in parts (one per block it touches), and its permutation."""
         if self._remap is not None and self._remap.epoch == epoch:
             return self._remap.load(self, k)
-        wlo, whi = self._window_range(k)
-        glo, ghi = self._stream_span(k)  # positions in the epoch's stream
+        wlo, whi = self.window_range(k)
+        glo, ghi = self.stream_span(k)  # positions in the epoch's stream
         self._wait(epoch, ghi)
         pieces = self._pieces(epoch, glo, ghi)
         many = getattr(self.reader, "read_many", None)  # Ray: one fetch, one Arrow table (converted by _window)
         joined = False  # small data is joined in this thread (a large window after the last one is let go)
         if self.small:  # all data fits one window: each block converted once, windows joined here from them
             self._fill([p[0] for p in pieces])
-            parts, joined = [_concat([{c: v[lo:hi] for c, v in self._cached(blk).items()}
-                                      for blk, lo, hi in pieces])], True
+            parts, joined = [concat_columns([{c: v[lo:hi] for c, v in self._cached(blk).items()}
+                                             for blk, lo, hi in pieces])], True
         elif many is not None:
             parts = many(pieces)
             if self.num_windows == 1 and whi - wlo < self.window_rows:  # small data: convert off the training thread
-                parts, joined = [_concat([self._process(table_to_numpy(p, self.name, self.where), None)
-                                          for p in parts])], True
+                parts, joined = [concat_columns([self._process(table_to_numpy(p, self.name, self.where), None)
+                                                 for p in parts])], True
         else:
             parts = [self._process(self.reader.read(*piece), piece[0]) for piece in pieces]
-        perm = _window_perm(self, epoch, 0, self.world_size, self.rank, k, whi - wlo)
+        perm = window_perm(self, epoch, 0, self.world_size, self.rank, k, whi - wlo)
         if joined and perm is not None:  # shuffled here too: each batch is then a slice, no gather per step
             parts, perm = [{c: v[perm] for c, v in parts[0].items()}], False
         return wlo, parts, perm
@@ -285,15 +243,16 @@ class StreamSource(_Layout):
             j += 1
         return pieces
 
-    def _read_positions(self, epoch: int, pos: np.ndarray) -> dict[str, np.ndarray]:
+    def read_positions(self, epoch: int, pos: np.ndarray) -> dict[str, np.ndarray]:
         """The rows at ascending stream positions `pos` (a resumed epoch's rest): read in runs of nearby
         positions, so that a gap of consumed rows between them is never read."""
         self._wait(epoch, int(pos[-1]) + 1)
         out = []
         for run in np.split(pos, np.flatnonzero(np.diff(pos) > self.window_rows) + 1):
-            cols = _concat([self._read(*piece) for piece in self._pieces(epoch, int(run[0]), int(run[-1]) + 1)])
+            pieces = self._pieces(epoch, int(run[0]), int(run[-1]) + 1)
+            cols = concat_columns([self._read(*piece) for piece in pieces])
             out.append({c: v[run - run[0]] for c, v in cols.items()})
-        return _concat(out)
+        return concat_columns(out)
 
     def _window(self, epoch: int, k: int):
         """Window k of `epoch` as one set of columns (the one loaded ahead if it is that one); then start
@@ -312,8 +271,8 @@ class StreamSource(_Layout):
             raise DataError(f"{self.name} ({self.where}): no data for {self.timeout_s:.0f} s while reading window "
                             f"{k} of epoch {epoch} ({self._window_blocks(epoch, k)}); check that storage is "
                             f"reachable, or raise {DATA_TIMEOUT_ENV}") from None
-        cols = _concat([p if isinstance(p, dict) else
-                        self._process(table_to_numpy(p, self.name, self.where), None) for p in parts])
+        cols = concat_columns([p if isinstance(p, dict) else
+                               self._process(table_to_numpy(p, self.name, self.where), None) for p in parts])
         del parts, fut
         nxt = self._next_window(epoch, k)
         if nxt is not None:
@@ -332,14 +291,14 @@ class StreamSource(_Layout):
             return f"no block published yet of {self.where}"
         order = self.block_order(epoch)
         starts = np.concatenate([[0], np.cumsum([self.blocks[i].num_rows for i in order])])
-        j = int(np.searchsorted(starts, self._stream_span(k)[0], side="right")) - 1
+        j = int(np.searchsorted(starts, self.stream_span(k)[0], side="right")) - 1
         return self.reader.describe(self.blocks[order[min(j, len(order) - 1)]])
 
     def iter_batches(self, epoch: int, start: int = 0) -> Iterator[dict[str, torch.Tensor]]:
         """Batches of `epoch` from `start`: the window holding `start` is found from row counts alone."""
-        return _timed(self, self._batches(epoch, start), self.prefetch_batches)
+        return timed_batches(self, self._batches(epoch, start), self.prefetch_batches)
 
-    def _lay(self, epoch: int) -> tuple[_Layout, int]:
+    def _lay(self, epoch: int) -> tuple[Layout, int]:
         """The layout of `epoch` and the batch index it starts at: this source's (from 0), or for an epoch
         resumed from another layout, that of its rest (ending where this source's epoch ends)."""
         if self._remap is not None and self._remap.epoch == epoch:
@@ -350,7 +309,7 @@ class StreamSource(_Layout):
         current, cur_k = None, -1
         lay, offset = self._lay(epoch)
         b = max(start, offset) - offset
-        while lay._num_batches is None or b < lay._num_batches:  # None: epoch 0 of unknown length
+        while lay.num_batches is None or b < lay.num_batches:  # None: epoch 0 of unknown length
             lo = b * self.batch_size
             k = lo // self.window_rows
             if k != cur_k:
@@ -358,12 +317,12 @@ class StreamSource(_Layout):
                 if not self._has_window(epoch, k):
                     return
                 lay = self._lay(epoch)[0]  # a stream of unknown length may have learnt it
-                if lay._num_batches is not None and b >= lay._num_batches:
+                if lay.num_batches is not None and b >= lay.num_batches:
                     return
                 if self.trim:  # before the join: trimmed later, the freed window stays resident beside the new
                     _trim()
                 current, cur_k = self._window(epoch, k), k
-            last = lay._num_batches is not None and b == lay._num_batches - 1
+            last = lay.num_batches is not None and b == lay.num_batches - 1
             hi = lay.range_rows if last else lo + self.batch_size
             b += 1
             wlo, perm = current[0], current[2]  # no other name may hold the window past its switch
@@ -394,7 +353,7 @@ class StreamSource(_Layout):
 
     def _process(self, cols: dict[str, np.ndarray], blk) -> dict[str, np.ndarray]:
         if self.preprocess is not None:
-            cols = _apply(self.preprocess, cols, self.name, self.reader.describe(blk))
+            cols = apply_preprocess(self.preprocess, cols, self.name, self.reader.describe(blk))
         return {k: v for k, v in cols.items() if k in self.keep} if self.keep is not None else cols
 
     def _assemble(self, cols: dict[str, np.ndarray]):
@@ -421,7 +380,7 @@ class StreamSource(_Layout):
 
     @property
     def schema(self) -> dict[str, tuple[str, tuple | None]]:
-        return {k: _column_type(_as_column(v, k, self.name)) for k, v in self._sample.items()}
+        return {k: column_type(as_column(v, k, self.name)) for k, v in self._sample.items()}
 
     def state(self) -> dict:
         return {"kind": self.kind, **({"num_samples": self.num_samples} if self.length_known else {}),
@@ -456,108 +415,10 @@ class StreamSource(_Layout):
         if not levels:
             return nb
         try:
-            self._remap = _Remap(self, epoch, levels)
-        except _TooFew as e:
+            self._remap = Remap(self, epoch, levels)
+        except TooFew as e:
             if e.args[0]:
                 logger.warning("%s: the %d samples left of epoch %d cannot give each of %d ranks a batch; they are "
                                "skipped and epoch %d starts", self.name, e.args[0], epoch, self.world_size, epoch + 1)
-            return self._num_batches
+            return self.num_batches
         return nb if same else self._remap.offset
-
-
-def _window_perm(src, epoch: int, level: int, world_size: int, rank: int, k: int, n: int) -> np.ndarray | None:
-    """The shuffle of one window: seeded by (seed, epoch, world size, rank, window) and, for the layout of a
-    resumed epoch's rest, its level (how many layouts that epoch was interrupted under)."""
-    if not src.shuffle:
-        return None
-    keys = (2,) if level == 0 else (3, level)
-    return _rng(src.seed, epoch, *keys, world_size, rank, k).permutation(n)
-
-
-class _TooFew(Exception):
-    """A resumed epoch's rest has fewer samples than the new world needs for one batch on every rank."""
-
-
-def _plen(piece) -> int:
-    return piece[1] - piece[0] if isinstance(piece, tuple) else len(piece)
-
-
-class _Rest:
-    """Positions of an epoch's stream in ascending order, as pieces: spans (lo, hi) (windows no rank had
-    begun) and arrays of positions (the unread rows of a window begun: at most one window each)."""
-
-    def __init__(self, pieces: list):
-        merged: list = []
-        for p in sorted((p for p in pieces if _plen(p)), key=lambda p: int(p[0])):
-            if merged and isinstance(p, tuple) and isinstance(merged[-1], tuple) and merged[-1][1] == p[0]:
-                merged[-1] = (merged[-1][0], p[1])
-            else:
-                merged.append(p)
-        self.pieces = merged
-        self.cum = np.concatenate([[0], np.cumsum([_plen(p) for p in merged], dtype=np.int64)])
-        self.n = int(self.cum[-1])
-
-    def slice(self, a: int, b: int) -> list:
-        """The pieces of rest rows [a, b)."""
-        out, i = [], int(np.searchsorted(self.cum, a, side="right")) - 1
-        while i < len(self.pieces) and self.cum[i] < b:
-            p, lo, hi = self.pieces[i], max(a, self.cum[i]) - self.cum[i], min(b, self.cum[i + 1]) - self.cum[i]
-            out.append((p[0] + int(lo), p[0] + int(hi)) if isinstance(p, tuple) else p[lo:hi])
-            i += 1
-        return out
-
-    def positions(self, a: int, b: int) -> np.ndarray:
-        return np.concatenate([np.arange(*p, dtype=np.int64) if isinstance(p, tuple) else p
-                               for p in self.slice(a, b)])
-
-    def take(self, v: np.ndarray) -> np.ndarray:
-        """The stream positions of ascending rest rows `v`."""
-        if not len(v):
-            return v.astype(np.int64)
-        return self.positions(int(v[0]), int(v[-1]) + 1)[v - v[0]]
-
-
-def _rest_after(src, epoch: int, level: int, base: _Rest, lv: dict) -> _Rest:
-    """What `base` (an epoch's rows) had left when its layout `lv` was interrupted at lv["next_batch"]:
-    for each of its ranks, the unread rows of the window it was in and the windows it had not begun."""
-    full = plan_epoch(src.num_samples, lv["batch_size"], lv["world_size"], lv["drop_last"], src.name)[0]
-    pieces: list = []
-    for r in range(lv["world_size"]):
-        lay = _Layout(base.n, lv["batch_size"], lv["world_size"], r, lv["drop_last"], lv["window_rows"],
-                      src.in_order, src.name)
-        done = lv["next_batch"] - (full - lay._num_batches)  # the batches this layout's epoch had given
-        rows = lay.range_rows if done >= lay._num_batches else max(0, done) * lay.batch_size
-        if rows >= lay.range_rows:
-            continue
-        k = rows // lay.window_rows
-        (wlo, whi), (glo, _) = lay._window_range(k), lay._stream_span(k)
-        perm = _window_perm(src, epoch, level, lay.world_size, r, k, whi - wlo)
-        left = perm[rows - wlo:] if perm is not None else np.arange(rows - wlo, whi - wlo)
-        pieces.append(base.take(np.sort(left) + glo))
-        for j in range(k + 1, lay.num_windows):
-            pieces += base.slice(*lay._stream_span(j))
-    return _Rest(pieces)
-
-
-class _Remap:
-    """The layout of an epoch resumed under another layout: the rows its interrupted layouts (`levels`,
-    oldest first) had left, as a stream of their own in ascending order, cut by the sharding rule for this
-    source's world and batch size; its batches end where the source's epoch ends (offset)."""
-
-    def __init__(self, src, epoch: int, levels: list[dict]):
-        rest = _Rest([(0, src.num_samples)])
-        for i, lv in enumerate(levels):
-            rest = _rest_after(src, epoch, i, rest, lv)
-        need = src.batch_size * src.world_size if src.drop_last else src.world_size
-        if rest.n < need:
-            raise _TooFew(rest.n)
-        self.epoch, self.levels, self.rest, self.level = epoch, levels, rest, len(levels)
-        self.layout = _Layout(rest.n, src.batch_size, src.world_size, src.rank, src.drop_last, src.window_rows,
-                              src.in_order, src.name)
-        self.offset = src._num_batches - self.layout._num_batches
-
-    def load(self, src, k: int):
-        lay = self.layout
-        wlo, whi = lay._window_range(k)
-        cols = src._read_positions(self.epoch, self.rest.positions(*lay._stream_span(k)))
-        return wlo, [cols], _window_perm(src, self.epoch, self.level, lay.world_size, lay.rank, k, whi - wlo)

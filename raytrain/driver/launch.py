@@ -20,7 +20,7 @@ from ray.train.torch import TorchConfig
 from ray.train.torch.config import _TorchBackend
 
 from ..worker import ray_worker as _ray_worker
-from ..data.ray_data import blocks_for_workers
+from ..data.build import blocks_for_workers
 from ..state import TrainerState, TrainOutput
 
 logger = logging.getLogger(__name__)

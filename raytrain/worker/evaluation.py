@@ -12,7 +12,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from ..data.sources import count_items
+from ..data.columns import count_items
 from ..state import EvalPrediction
 
 

@@ -45,7 +45,7 @@ import torch
 from .. import checkpoint as ckpt
 from .. import hf
 from . import resume
-from ..data.sources import check_same_schema, count_items, is_named_datasets
+from ..data.columns import check_same_schema, count_items, is_named_datasets
 from ..data.loaders import LoaderSource, check_iterable_training, num_batches
 from ..optim import scheduler_needs_metric
 from .resume import DATA_STATE, LOOP_STATE

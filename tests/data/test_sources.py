@@ -19,10 +19,9 @@ from torch.nn import functional as F
 from tests.data.data_helpers import Recorder
 from tests.tiny import StopAt
 from raytrain import Trainer, TrainingArguments
-from raytrain.data import DataError, DataFileNotFoundError, Files, MapSource, build_source, model_inputs
-from raytrain.data.sources import plan_epoch, trainer_datasets
+from raytrain.data import (DataError, DataFileNotFoundError, Files, MapSource, StreamSource, build_source,
+                           model_inputs, plan_epoch, trainer_datasets)
 from raytrain.data.files import ParquetReader
-from raytrain.data.stream import StreamSource
 
 N = 103
 

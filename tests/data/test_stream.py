@@ -17,8 +17,7 @@ import pytest
 import torch
 
 from raytrain import Files, RayData, Trainer, TrainingArguments
-from raytrain.data import DataError, build_source
-from raytrain.data.stream import StreamSource
+from raytrain.data import DataError, StreamSource, build_source
 from tests.strategies._helpers import state_digest
 from tests.data.data_helpers import IdLog, Recorder, featurize_ids as _featurize
 from tests.data.data_helpers import featurize_range as _featurize_ids
@@ -211,8 +210,7 @@ def test_map_batches_runs_in_a_ray_process_not_the_trainers(ray_cluster):
 MEMORY_PROBE = """
 import gc, json, os, sys
 import numpy as np, ray, ray.data
-from raytrain.data import build_source
-from raytrain.data.ray_data import RayData
+from raytrain.data import RayData, build_source
 from raytrain.data.stream import _trim
 
 def private():  # resident anonymous memory: what this process holds itself (object-store pages are shared)
@@ -341,14 +339,14 @@ def _resumed_elsewhere(make, n: int, stop: int = 5, worlds=((1, 4), (3, 4), (4, 
 def test_a_stream_resumed_on_another_world_size_reads_exactly_the_rest_of_the_epoch(tmp_path, interleaved):
     """In-process (sources for each rank, no Ray): files read as one range per rank, and (interleaved) with
     Ray Data's layout, windows of the ranks interleaved along the stream."""
-    from raytrain.data.stream import _Layout
+    from raytrain.data.sharding import Layout
     spec = Files(write_parquet(tmp_path / "pq", columns(), files=4, row_group=7), stream=True, buffer_bytes=1500)
 
     def make(world, bs, rank):
         s = build_source(spec, bs, seed=3, rank=rank, world_size=world)
         if interleaved:  # Ray Data's reader says so (arrives_in_order); the layout is the same code
             s.in_order = True
-            _Layout.__init__(s, s.num_samples, bs, world, rank, False, s.window_rows, True)
+            Layout.__init__(s, s.num_samples, bs, world, rank, False, s.window_rows, True)
         assert s.window_rows < s.range_rows  # windows begun and not begun at the interruption
         return s
     _resumed_elsewhere(make, 103)
