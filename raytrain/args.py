@@ -22,11 +22,13 @@ from pydantic import BaseModel, Field, create_model
 from .config import (  # noqa: F401  (re-exported: the sections and errors are part of args' API)
     ConfigError, DataConfig, DistributedConfig, ModelConfig, ScalingConfig, StrictModel, apply_overrides,
     unknown_field_message)
-from .validation import ArgumentRules, warn_noop_fields
+from .hf_args import HFArgumentMethods
+from .validation import ArgumentRules, mirror_aliases, warn_noop_fields
 
 logger = logging.getLogger(__name__)
 
 _Steps = Literal["no", "steps", "epoch"]
+_LogLevel = Literal["passive", "debug", "info", "warning", "error", "critical"]
 _SCHEDULES = Literal[
     "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
     "inverse_sqrt", "reduce_lr_on_plateau", "warmup_stable_decay", "cosine_with_min_lr",
@@ -34,15 +36,15 @@ _SCHEDULES = Literal[
 ]
 
 
-def _f(default: Any = MISSING, help: str = "", *, factory: Callable[[], Any] | None = None) -> Any:
-    """A dataclass field with its help text where HfArgumentParser (and our --help) read it."""
+def _f(default: Any = MISSING, help: str = "", *, factory: Callable[[], Any] | None = None, **argparse: Any) -> Any:
+    """A dataclass field with its help text (and argparse options) where HfArgumentParser and our --help read it."""
     if factory is not None:
-        return field(default_factory=factory, metadata={"help": help})
-    return field(default=default, metadata={"help": help})
+        return field(default_factory=factory, metadata={"help": help, **argparse})
+    return field(default=default, metadata={"help": help, **argparse})
 
 
 @dataclass
-class TrainingArguments:
+class TrainingArguments(HFArgumentMethods):
     """Everything a run needs, validated once at the edge; names and defaults as in HF.
 
     A dataclass, as HF's: `TrainingArguments("out", ...)`, `HfArgumentParser(TrainingArguments)` and
@@ -105,9 +107,14 @@ class TrainingArguments:
     fp16: bool = _f(False, "float16 mixed precision with loss scaling (CUDA only)")
     tf32: bool | None = _f(None, "allow TF32 matmuls on Ampere+ GPUs (ignored on CPU)")
     use_cpu: bool = _f(False, "train on the CPU even when a GPU is available")
-    gradient_checkpointing: bool | None = _f(False, "recompute activations to save memory")
+    activation_checkpointing: bool | None = _f(
+        None, "recompute activations in the backward pass to save memory", nargs="?", const=True)
+    activation_checkpointing_kwargs: dict[str, Any] | str | None = _f(
+        None, "arguments of the model's activation_checkpointing_enable: every_n_layers, offload, torch checkpoint's")
+    gradient_checkpointing: bool | None = _f(
+        None, "deprecated alias of activation_checkpointing (as in HF)", nargs="?", const=True)
     gradient_checkpointing_kwargs: dict[str, Any] | str | None = _f(
-        None, "arguments for the model's gradient_checkpointing_enable (transformers models)")
+        None, "deprecated alias of activation_checkpointing_kwargs (as in HF)")
     torch_compile: bool = _f(False, "compile the model with torch.compile")
     torch_compile_backend: str | None = _f(None, "torch.compile backend (sets torch_compile)")
     torch_compile_mode: str | None = _f(None, "torch.compile mode (sets torch_compile)")
@@ -130,8 +137,7 @@ class TrainingArguments:
     run_name: str | None = _f(None, "name of the run in the tracking integration")
     mlflow_log_best_checkpoint: bool = _f(False, "also log the best checkpoint to MLflow (artifact best_checkpoint/)")
     disable_tqdm: bool | None = _f(False, "hide progress bars")
-    log_level: Literal["passive", "debug", "info", "warning", "error", "critical"] = _f(
-        "passive", "level of raytrain's logger on the main process (passive: leave it as it is)")
+    log_level: _LogLevel = _f("passive", "level of raytrain's logger on the main process (passive: leave it as it is)")
     save_async: bool = _f(False, "write checkpoints in a background thread")
     save_async_policy: Literal["wait", "skip"] = _f(
         "wait", "a save that arrives while a background save is still being written: 'wait' for it, or 'skip' "
@@ -149,8 +155,9 @@ class TrainingArguments:
     do_predict: bool = _f(False, "read by your script, not by the Trainer (as in HF)")
     resume_from_checkpoint: str | None = _f(None, "read by your script, not by the Trainer (as in HF)")
     logging_dir: str | None = _f(None, "accepted for HF compatibility (no TensorBoard here)")
-    log_level_replica: str = _f("warning", "accepted for HF compatibility (other ranks print nothing)")
-    log_on_each_node: bool = _f(True, "accepted for HF compatibility")
+    log_level_replica: _LogLevel = _f(
+        "warning", "get_process_log_level() on the other processes (raytrain logs on the main one)")
+    log_on_each_node: bool = _f(True, "should_log / get_process_log_level: main process of each node, else of the run")
     local_rank: int = _f(-1, "accepted for HF compatibility (Ray Train assigns ranks)")
     push_to_hub: bool = _f(False, "not supported: the model is saved locally")
     hub_model_id: str | None = _f(None, "not supported (push_to_hub)")
@@ -162,7 +169,10 @@ class TrainingArguments:
     eval_do_concat_batches: bool = _f(True, "accepted for HF compatibility (batches are always concatenated)")
     include_for_metrics: list[str] = _f(None, "accepted for HF compatibility", factory=list)
     average_tokens_across_devices: bool = _f(True, "accepted: the loss is always normalised across ranks")
-    ddp_find_unused_parameters: bool | None = _f(None, "passed to DDP when set")
+    ddp_find_unused_parameters: bool | None = _f(None, "passed to DDP when set (unset: torch's default, false)")
+    ddp_broadcast_buffers: bool | None = _f(None, "passed to DDP as broadcast_buffers when set")
+    ddp_bucket_cap_mb: int | None = _f(None, "passed to DDP as bucket_cap_mb when set")
+    ddp_static_graph: bool | None = _f(None, "passed to DDP as static_graph when set")
     ddp_backend: str | None = _f(None, "accepted for HF compatibility (gloo on CPU, nccl on GPU)")
     ddp_timeout: int = _f(1800, "accepted for HF compatibility")
     fsdp: str | None = _f(None, "HF's FSDP switch: any value selects distributed.strategy fsdp")
@@ -175,6 +185,20 @@ class TrainingArguments:
     train_sampling_strategy: str = _f("random", "accepted for HF compatibility (random only)")
     neftune_noise_alpha: float | None = _f(None, "not supported")
     use_liger_kernel: bool = _f(False, "not supported")
+    liger_kernel_config: dict[str, bool] | None = _f(None, "not supported (use_liger_kernel)")
+    optim_target_modules: None | str | list[str] = _f(None, "not supported (no GaLore / APOLLO optimizers)")
+    parallelism_config: Any = _f(None, "not supported (no accelerate): use the distributed section")
+    dataloader_in_order: bool = _f(True, "batches always come in order (deterministic); false is not supported")
+    dataloader_multiprocessing_context: Literal["fork", "spawn", "forkserver"] | None = _f(
+        None, "not supported: data workers use torch's default start method")
+    eval_use_gather_object: bool = _f(False, "accepted: evaluation results are always gathered as objects")
+    enable_jit_checkpoint: bool = _f(
+        False, "accepted: Ray workers and raytrain.run always save a checkpoint at the next step on SIGTERM")
+    use_cache: bool = _f(False, "not applied: the model's config.use_cache is left as it is")
+    trackio_space_id: str | None = _f(None, "not supported (no Trackio; report_to takes mlflow)")
+    trackio_bucket_id: str | None = _f(None, "not supported (no Trackio; report_to takes mlflow)")
+    trackio_static_space_id: str | None | Literal[False] = _f(
+        None, "not supported (no Trackio; report_to takes mlflow)")
     torch_empty_cache_steps: int | None = _f(None, "accepted for HF compatibility")
     save_on_each_node: bool = _f(False, "accepted: rank 0 writes to shared storage")
     bf16_full_eval: bool = _f(False, "accepted for HF compatibility (evaluation uses the training precision)")
@@ -189,7 +213,6 @@ class TrainingArguments:
 
     def __post_init__(self) -> None:
         self._validate({})
-        warn_noop_fields(self)
 
     def __setattr__(self, name: str, value: Any) -> None:
         # Assignments after construction are validated as a whole, and rolled back when they fail.
@@ -206,11 +229,16 @@ class TrainingArguments:
 
     def _validate(self, changes: dict[str, Any]) -> None:
         schema = _schema()
+        changes = mirror_aliases(changes)  # args.gradient_checkpointing = True sets activation_checkpointing too
         values = {name: changes.get(name, getattr(self, name)) for name in schema.model_fields}
         checked = schema(**values)
         for name in schema.model_fields:
             object.__setattr__(self, name, getattr(checked, name))
         object.__setattr__(self, "_validated", True)
+        warn_noop_fields(self)
+
+    def _set_fields(self, changes: dict[str, Any]) -> None:  # HF's set_* groups: validated together
+        self._validate(changes)
 
     # --- derived values (HF's names) ------------------------------------------------------
 
@@ -223,52 +251,6 @@ class TrainingArguments:
     def eval_batch_size(self) -> int:
         """Batch size per worker for evaluation."""
         return self.per_device_eval_batch_size
-
-    @property
-    def world_size(self) -> int:
-        """Processes training together: the live process group's size, else scaling.num_workers."""
-        dist = _dist()
-        return dist.get_world_size() if dist is not None else self.scaling.num_workers
-
-    @property
-    def process_index(self) -> int:
-        dist = _dist()
-        return dist.get_rank() if dist is not None else 0
-
-    @property
-    def local_process_index(self) -> int:
-        return int(os.environ.get("LOCAL_RANK", 0)) if _dist() is not None else 0
-
-    @property
-    def should_save(self) -> bool:
-        """Whether this process writes files (the main process)."""
-        return self.process_index == 0
-
-    @property
-    def should_log(self) -> bool:
-        return self.process_index == 0
-
-    @property
-    def device(self):
-        """The torch device this process trains on."""
-        import torch
-
-        if not self.use_cpu and torch.cuda.is_available():
-            return torch.device("cuda", torch.cuda.current_device())
-        return torch.device("cpu")
-
-    @property
-    def n_gpu(self) -> int:
-        """GPUs this process uses: 1 with CUDA (one per Ray worker), else 0."""
-        return int(self.device.type == "cuda")
-
-    @property
-    def parallel_mode(self) -> str:
-        return "distributed" if self.world_size > 1 else "not_parallel"
-
-    @property
-    def should_use_distributed(self) -> bool:
-        return self.scaling.num_workers > 1
 
     @property
     def label_keys(self) -> list[str]:
@@ -359,16 +341,6 @@ def _plain(v: Any) -> Any:
     if isinstance(v, Enum):
         return v.value
     return copy.deepcopy(v)
-
-
-def _dist():
-    """torch.distributed when a process group is live, else None (without importing torch)."""
-    import sys
-
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.distributed.is_available() or not torch.distributed.is_initialized():
-        return None
-    return torch.distributed
 
 
 class _Rules(ArgumentRules):

@@ -3,6 +3,7 @@ HF fields that are accepted but do nothing here. Each failure is one line naming
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -12,6 +13,7 @@ from typing import Any
 from pydantic import field_validator, model_validator
 
 from .config import ConfigError, StrictModel, parse_pairs, show_number, show_value
+from .hf_args import deprecated_alias
 
 logger = logging.getLogger(__name__)
 
@@ -26,16 +28,45 @@ _HF_NOOP_WARNINGS = {
     "logging_dir": "logging_dir is not used (no TensorBoard); logs are in trainer_state.json and MLflow",
     "fsdp_config": "fsdp_config is not used; put FSDP options in distributed.fsdp",
     "include_for_metrics": "include_for_metrics is not supported; EvalPrediction holds predictions and label_ids",
+    "liger_kernel_config": "liger_kernel_config is not supported; the model's own kernels are used",
+    "optim_target_modules": "optim_target_modules is not supported (no GaLore / APOLLO); optim updates every "
+                            "trainable parameter",
+    "parallelism_config": "parallelism_config is not supported (no accelerate); use the distributed section "
+                          "(distributed.strategy ddp, fsdp or deepspeed)",
+    "dataloader_in_order": "dataloader_in_order=False is not supported; batches always come in order",
+    "dataloader_multiprocessing_context": "dataloader_multiprocessing_context is not supported; data workers use "
+                                          "torch's default start method",
+    "use_cache": "use_cache is not applied; the model's config.use_cache is left as it is",
+    **{name: f"{name} is not supported (no Trackio); use report_to mlflow"
+       for name in ("trackio_space_id", "trackio_bucket_id", "trackio_static_space_id")},
 }
 _warned: set[str] = set()
 
+#: HF 5.23's deprecated names of activation checkpointing: one sets the other.
+ALIASES = {"gradient_checkpointing": "activation_checkpointing",
+           "gradient_checkpointing_kwargs": "activation_checkpointing_kwargs"}
+
 
 def warn_noop_fields(args) -> None:
-    """Warn once per process for each accepted-but-ignored field that is set (their defaults are off)."""
-    for name, message in _HF_NOOP_WARNINGS.items():
-        if getattr(args, name) and name not in _warned:
-            _warned.add(name)
-            logger.warning(message)
+    """Warn once per process for each accepted-but-ignored field set to other than its default."""
+    for f in dataclasses.fields(args):
+        if f.name not in _HF_NOOP_WARNINGS or f.name in _warned:
+            continue
+        default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+        if getattr(args, f.name) != default:
+            _warned.add(f.name)
+            logger.warning(_HF_NOOP_WARNINGS[f.name])
+
+
+def mirror_aliases(changes: dict[str, Any]) -> dict[str, Any]:
+    """An assignment to one of a deprecated name and its new name assigns both."""
+    out = dict(changes)
+    for old, new in ALIASES.items():
+        if old in changes and new not in changes:
+            out[new] = changes[old]
+        elif new in changes and old not in changes:
+            out[old] = changes[new]
+    return out
 
 
 class ArgumentRules(StrictModel):
@@ -57,10 +88,15 @@ class ArgumentRules(StrictModel):
     def _default_output_dir(cls, v: Any) -> Any:
         return "trainer_output" if v is None else v
 
-    @field_validator("gradient_checkpointing", "disable_tqdm", mode="before", check_fields=False)
+    @field_validator("disable_tqdm", mode="before", check_fields=False)
     @classmethod
     def _none_is_false(cls, v: Any) -> Any:
         return False if v is None else v
+
+    @field_validator("eval_delay", mode="before", check_fields=False)
+    @classmethod
+    def _none_is_zero(cls, v: Any) -> Any:
+        return 0 if v is None else v  # HF's set_evaluate(delay=None)
 
     @field_validator("optim_args", check_fields=False)
     @classmethod
@@ -72,8 +108,8 @@ class ArgumentRules(StrictModel):
             raise ValueError(f"expected 'key=value,key2=value2', got {v!r}")
         return pairs
 
-    @field_validator("lr_scheduler_kwargs", "gradient_checkpointing_kwargs", "fsdp_config", "deepspeed",
-                     mode="before", check_fields=False)
+    @field_validator("lr_scheduler_kwargs", "activation_checkpointing_kwargs", "gradient_checkpointing_kwargs",
+                     "fsdp_config", "deepspeed", mode="before", check_fields=False)
     @classmethod
     def _parse_json_mapping(cls, v: Any, info) -> Any:
         if isinstance(v, str) and v.strip().startswith("{"):
@@ -133,6 +169,7 @@ class ArgumentRules(StrictModel):
     @model_validator(mode="after")
     def _check_combinations(self):
         # Derived defaults go through __dict__: assigning would re-run this validator.
+        self._resolve_aliases()
         if self.eval_strategy == "steps" and self.eval_steps is None:
             self.__dict__["eval_steps"] = self.logging_steps
         if self.load_best_model_at_end and self.metric_for_best_model is None:
@@ -162,6 +199,16 @@ class ArgumentRules(StrictModel):
         if self.load_best_model_at_end:
             self._check_load_best()
         return self
+
+    def _resolve_aliases(self) -> None:
+        """As HF 5.23: a deprecated name is used only when its new name is unset; then both agree."""
+        for old, new in ALIASES.items():
+            if getattr(self, new) is None and getattr(self, old) is not None:
+                deprecated_alias(old, new)
+                self.__dict__[new] = getattr(self, old)
+            self.__dict__[old] = getattr(self, new)
+        if self.activation_checkpointing is None:
+            self.__dict__["activation_checkpointing"] = self.__dict__["gradient_checkpointing"] = False
 
     def _apply_hf_backends(self) -> None:
         """HF's top-level `deepspeed` / `fsdp` switches select our distributed backend."""

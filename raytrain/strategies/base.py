@@ -58,8 +58,8 @@ class Strategy:
         """What every backend does first: model on this rank's device, gradient checkpointing,
         then the optimizer over the placed parameters (unless the user gave one)."""
         model = model.to(self.device)
-        if self.args.gradient_checkpointing:
-            enable_gradient_checkpointing(model)
+        if self.args.activation_checkpointing:
+            enable_gradient_checkpointing(model, self.args.activation_checkpointing_kwargs)
         return model, optimizer if optimizer is not None else optimizer_factory(model)
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -248,9 +248,20 @@ def _set_optimizer_state(model: torch.nn.Module, optimizer, state: dict) -> None
     set_optimizer_state_dict(model, optimizer, state)
 
 
-def enable_gradient_checkpointing(model: torch.nn.Module) -> None:
+def enable_gradient_checkpointing(model: torch.nn.Module, kwargs: dict[str, Any] | None = None) -> None:
+    """As HF's Trainer: the model's activation_checkpointing_enable (every_n_layers and offload are its own
+    arguments, the rest go to torch's checkpoint), else its older gradient_checkpointing_enable."""
+    kwargs = dict(kwargs or {})
+    enable = getattr(model, "activation_checkpointing_enable", None)
+    if enable is not None:
+        every_n_layers, offload = kwargs.pop("every_n_layers", 1), kwargs.pop("offload", False)
+        enable(activation_checkpointing_kwargs=kwargs or None, every_n_layers=every_n_layers, offload=offload)
+        return
     enable = getattr(model, "gradient_checkpointing_enable", None)
     if enable is None:
-        raise ValueError("gradient_checkpointing: the model has no gradient_checkpointing_enable() "
-                         "method; add one or set gradient_checkpointing: false")
-    enable()
+        raise ValueError("activation_checkpointing: the model has no activation_checkpointing_enable() or "
+                         "gradient_checkpointing_enable() method; add one or set activation_checkpointing: false")
+    if kwargs:
+        enable(gradient_checkpointing_kwargs=kwargs)
+    else:
+        enable()

@@ -23,7 +23,7 @@ class DDPStrategy(TorchDistributedMixin, Strategy):
     def setup(self, model, optimizer_factory, optimizer=None):
         model, self.optimizer = self._place(model, optimizer_factory, optimizer)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
-        wrapped = DistributedDataParallel(model, device_ids=device_ids)
+        wrapped = DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs(self.args))
         self.model = torch.compile(wrapped) if self.args.torch_compile else wrapped
         return self.model, self.optimizer
 
@@ -44,3 +44,10 @@ class DDPStrategy(TorchDistributedMixin, Strategy):
 
     def optimizer_state_dict(self):
         return self.optimizer.state_dict() if self.is_main else None
+
+
+def ddp_kwargs(args) -> dict:
+    """HF's ddp_* arguments that are set, as DistributedDataParallel's keywords (unset: torch's defaults)."""
+    given = {"find_unused_parameters": args.ddp_find_unused_parameters, "bucket_cap_mb": args.ddp_bucket_cap_mb,
+             "broadcast_buffers": args.ddp_broadcast_buffers, "static_graph": args.ddp_static_graph}
+    return {k: v for k, v in given.items() if v is not None}
