@@ -433,10 +433,6 @@ def _resume_candidate(output_dir: str, resume) -> str | None:
     return None
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
-
 def run_search_cli(args: TrainingArguments, job: dict, path: str, resume: Any = "auto") -> int:
     """python -m raytrain.run --config X.yaml --search S.yaml [--resume auto|never]"""
     from .sweep import hyperparameter_search, load_search_spec, space_from_spec
@@ -466,3 +462,7 @@ def run_search_cli(args: TrainingArguments, job: dict, path: str, resume: Any = 
     for b in best if isinstance(best, list) else [best]:
         print(f"best trial: objective={b.objective} hyperparameters={b.hyperparameters} checkpoint={b.checkpoint}")
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

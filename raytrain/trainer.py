@@ -414,6 +414,21 @@ class Trainer:
             raise ValueError("model_init returned None; it must return an nn.Module")
         return model
 
+    def hp_search_setup(self, args: TrainingArguments, model: torch.nn.Module, callbacks: list | None = None,
+                        trial_name: str | None = None, trial_params: dict | None = None) -> None:
+        """Make this Trainer (a sweep's copy of the user's, subclass and all) one trial's, as if built with
+        the trial's args, model and callbacks (HF's _hp_search_setup). The other arguments stay, but for
+        model_init (the sweep made `model`) and optimizers (the driver's model's); caches, state are new."""
+        for cache in ("_data_sources", "_model_flops", "_num_params", "_wants_items"):
+            self.__dict__.pop(cache, None)
+        Trainer.__init__(self, model=model, args=args, data_collator=self.data_collator,
+                         train_dataset=self.train_dataset, eval_dataset=self.eval_dataset,
+                         processing_class=self.processing_class, compute_loss_func=self.compute_loss_func,
+                         compute_metrics=self.compute_metrics, callbacks=callbacks,
+                         optimizer_cls_and_kwargs=self.optimizer_cls_and_kwargs,
+                         preprocess_logits_for_metrics=self.preprocess_logits_for_metrics)
+        self.trial_name, self.trial_params = trial_name, trial_params
+
     # ------------------------------------------------------------ internals
     def _get_strategy(self):
         if self._strategy is None:

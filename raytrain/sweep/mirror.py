@@ -7,11 +7,12 @@ is kept on the driver's disk in <output_dir>/sweeps/<name>/ and copied to <uri>/
 module: the Optuna study (SQLite needs a local file) whenever Tune saves its searcher state, and
 trials.csv and the plots at the end. A restore on a machine without the local directory fetches the
 study first, and the searcher unpickled from Tune's state is pointed at the current local directory
-(StudyStorage, Mirror); the trials fetch their checkpoints from Tune (_tune_trial._fetch_checkpoint).
+(StudyStorage, Mirror); the trials fetch their checkpoints from Tune (trial.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import optuna
@@ -20,6 +21,17 @@ STUDY = "optuna.db"
 # (local sweep directory, URI) while Tune restores a URI sweep: the objects below, unpickled from
 # Tune's state, follow them instead of the directory the sweep ran in before (another machine).
 RESTORING_INTO: tuple[str, str] | None = None
+
+
+@contextlib.contextmanager
+def restoring_into(local_dir: str, uri: str):
+    """While Tune restores a URI sweep: what it unpickles follows `local_dir` and `uri`."""
+    global RESTORING_INTO
+    RESTORING_INTO = (local_dir, uri)
+    try:
+        yield
+    finally:
+        RESTORING_INTO = None
 
 
 def display(uri: str) -> str:

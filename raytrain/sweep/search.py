@@ -3,7 +3,7 @@
 A sweep lives in one directory, `<output_dir>/sweeps/<name>/` (or `<storage_path>/<name>/`; for a
 URI storage_path, Tune's state and the reported checkpoints go to `<uri>/<name>/` through Ray's
 storage, a distributed trial's through its TorchTrainer's run at `<uri>/<name>/trial_<id>/ray_train/`;
-the rest stays in `<output_dir>/sweeps/<name>/` and sweep_mirror.py copies it up)::
+the rest stays in `<output_dir>/sweeps/<name>/` and mirror.py copies it up)::
 
     experiment_state-*.json, searcher-state-*.pkl, tuner.pkl   Ray Tune's state (Tuner.restore)
     optuna.db                                                  the Optuna study (SQLite)
@@ -15,12 +15,13 @@ A search space is a YAML-style spec (raytrain.sweep.space) or Ray Tune sample ob
 file for the CLI (search_spaces/*.yaml) adds metric, mode, num_samples, scheduler, sampler, seed.
 Restore glue (what Ray + Optuna did not do alone): `_Search` hands out Optuna trials asked before the
 driver died but after Tune's last state save, so the study ends with exactly n_trials trials; the
-sampler is rebuilt per trial with a seed from (seed, trial number) (sweep_sampler.py), because the
+sampler is rebuilt per trial with a seed from (seed, trial number) (sampler.py), because the
 sampler restored from Tune's pickle would restart its random stream from the last save.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -37,7 +38,7 @@ __all__ = ["BestRun", "hyperparameter_search", "load_search_spec", "space_from_s
 _DRIVER_CPU = 0.01  # a distributed trial's function only waits on its TorchTrainer
 _NO_MAX_T = 10**6  # evaluations: ASHA/HyperBand never cut a trial only for its length
 SCHEDULERS = ("asha", "hyperband", "median", "pbt", "none")
-SAMPLERS = ("tpe", "random", "cmaes", "qmc")  # sweep_sampler.py builds them
+SAMPLERS = ("tpe", "random", "cmaes", "qmc")  # sampler.py builds them
 
 
 class BestRun(NamedTuple):
@@ -213,9 +214,10 @@ def hyperparameter_search(trainer, hp_space=None, compute_objective: Callable | 
     name (an error if there is none), "auto" continues it if it exists; False refuses to overwrite one."""
     from ray import tune
 
-    from . import mirror as sweep_mirror, report as sweep_report
-    from .trial import join_uri, run_trial, trial_dirname
     from ..driver.launch import ensure_ray
+    from .mirror import Mirror, display, restoring_into
+    from .report import StatusLines
+    from .trial import join_uri, pack_trainer, run_trial, trial_dirname
 
     directions = list(direction) if isinstance(direction, (list, tuple)) else [direction]
     space = _space(hp_space)
@@ -239,7 +241,7 @@ def hyperparameter_search(trainer, hp_space=None, compute_objective: Callable | 
         sweep_dir = state_path = os.path.join(root, name)
     restoring = _restoring(state_path, resume)
     os.makedirs(sweep_dir, exist_ok=True)
-    mirror = sweep_mirror.Mirror(sweep_dir, state_path) if remote else None
+    mirror = Mirror(sweep_dir, state_path) if remote else None
     if restoring and mirror is not None:
         mirror.fetch_study()  # the searcher restored below reads it
     # Tune saves its state (trials, searcher) at most this often; a small period keeps a restore
@@ -257,37 +259,34 @@ def hyperparameter_search(trainer, hp_space=None, compute_objective: Callable | 
         from .tracking import SweepTracker
         tracker = SweepTracker.start(sweep_dir, name)
     spec = {
-        "args": trainer.args, "model_init": trainer.model_init, "sweep_dir": sweep_dir,
+        # Each trial trains its own copy of the user's Trainer (subclass, overrides and all arguments).
+        "trainer": pack_trainer(trainer), "sweep_dir": sweep_dir,
         "callbacks": [cb for cb in trainer.callback_handler.callbacks if not isinstance(cb, _built_in())],
-        "trainer_kwargs": {"train_dataset": trainer.train_dataset, "eval_dataset": trainer.eval_dataset,
-                           "data_collator": trainer.data_collator, "compute_metrics": trainer.compute_metrics,
-                           "compute_loss_func": trainer.compute_loss_func},
         "compute_objective": compute_objective, "metric": metric, "mode": modes[0] if len(modes) == 1 else None,
         "directions": directions, "scheduler": scheduler, "mlflow": tracker.info if tracker else None,
         "show_trial_logs": show_trial_logs, "remote": remote, "uri": state_path if remote else None,
     }
     resources, max_concurrent = _resources(trainer.args, resources_per_trial, max_concurrent_trials)
     trainable = tune.with_resources(tune.with_parameters(run_trial, spec=spec), resources)
-    callbacks = [sweep_report.StatusLines(keys, tracker)]
+    callbacks = [StatusLines(keys, tracker)]
 
-    if restoring:
-        print(f"[sweep] resuming {sweep_mirror.display(state_path) if remote else state_path}", flush=True)
-        # Tune unpickles the searcher (its study storage, its Mirror) here and in fit(): they open the
-        # current local directory, wherever the sweep ran before.
-        sweep_mirror.RESTORING_INTO = (sweep_dir, state_path) if remote else None
-        tuner = tune.Tuner.restore(state_path, trainable, resume_unfinished=True, resume_errored=False)
-    else:
-        tuner = _new_tuner(trainable, space, modes, keys, n_trials, scheduler, scheduler_kwargs, max_concurrent,
-                           seed, sampler, root, name, sweep_dir, callbacks, trial_dirname, mirror,
-                           trainer.args.save_total_limit)
     quiet = logging.getLogger("ray.tune")
     level = quiet.level
-    quiet.setLevel(logging.WARNING)  # "Wrote the latest version of all result files ..."
-    try:
-        grid = tuner.fit()  # restores the searcher's state first
-    finally:
-        quiet.setLevel(level)
-        sweep_mirror.RESTORING_INTO = None
+    # Tune unpickles the searcher (its study storage, its Mirror) in restore() and in fit(): they open
+    # the current local directory, wherever the sweep ran before.
+    with restoring_into(sweep_dir, state_path) if restoring and remote else contextlib.nullcontext():
+        if restoring:
+            print(f"[sweep] resuming {display(state_path) if remote else state_path}", flush=True)
+            tuner = tune.Tuner.restore(state_path, trainable, resume_unfinished=True, resume_errored=False)
+        else:
+            tuner = _new_tuner(trainable, space, modes, keys, n_trials, scheduler, scheduler_kwargs, max_concurrent,
+                               seed, sampler, root, name, sweep_dir, callbacks, trial_dirname, mirror,
+                               trainer.args.save_total_limit)
+        quiet.setLevel(logging.WARNING)  # "Wrote the latest version of all result files ..."
+        try:
+            grid = tuner.fit()  # restores the searcher's state first
+        finally:
+            quiet.setLevel(level)
     return _finish(grid, space, keys, modes, sweep_dir, name, tracker, plots, mirror)
 
 
@@ -298,10 +297,12 @@ def _is_uri(path: str) -> bool:
 def _check_uri(uri: str) -> None:
     import pyarrow.fs
 
+    from .mirror import display
+
     try:
         pyarrow.fs.FileSystem.from_uri(uri)
     except Exception as e:  # unknown scheme, missing filesystem support
-        raise ValueError(f"storage_path: {_shown(uri)!r}: pyarrow cannot open it ({str(e).splitlines()[0]}); "
+        raise ValueError(f"storage_path: {display(uri)!r}: pyarrow cannot open it ({str(e).splitlines()[0]}); "
                          "give an s3://, gs://, abfs:// or hdfs:// URI it reaches, or a local path") from None
 
 
@@ -359,15 +360,16 @@ def _checkpoint_config(mirror, keep: int | None, modes: list[str]):
 
 
 def _finish(grid, space, keys, modes, sweep_dir, name, tracker, plots, mirror=None):
-    from . import report as sweep_report
+    from .mirror import display
+    from .report import print_table, trials_table, write_plots
 
     names = space.names if isinstance(space, SearchSpace) else list(space)
-    table = sweep_report.trials_table(grid, names, keys, modes)
+    table = trials_table(grid, names, keys, modes)
     if mirror is not None:  # the best report's checkpoint as Tune persisted it at the URI
         table["checkpoint"] = [mirror.best_checkpoint(r, keys[0], modes[0]) for r in _by_trial_id(grid, table)]
     table.to_csv(os.path.join(sweep_dir, "trials.csv"), index=False)
-    print(f"[sweep] {len(table)} trials ({_shown(mirror.uri) if mirror else sweep_dir}):", flush=True)
-    sweep_report.print_table(table)
+    print(f"[sweep] {len(table)} trials ({display(mirror.uri) if mirror else sweep_dir}):", flush=True)
+    print_table(table)
     ok = table.dropna(subset=keys)
     if ok.empty:
         errors = [e for e in table["error"] if e]
@@ -378,7 +380,7 @@ def _finish(grid, space, keys, modes, sweep_dir, name, tracker, plots, mirror=No
         raise RuntimeError(f"every trial failed; the first error: {errors[0] if errors else 'no trial reported'}")
     study = _load_study(sweep_dir, name)
     if plots:
-        sweep_report.write_plots(sweep_dir, grid, keys, study)
+        write_plots(sweep_dir, grid, keys, study)
     if mirror is not None:
         mirror.push_results()
 
@@ -400,12 +402,6 @@ def _finish(grid, space, keys, modes, sweep_dir, name, tracker, plots, mirror=No
     if tracker:
         tracker.end(runs[0] if runs else None)
     return runs
-
-
-def _shown(uri: str) -> str:
-    from .mirror import display
-
-    return display(uri)
 
 
 def _by_trial_id(grid, table) -> list:

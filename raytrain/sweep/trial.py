@@ -22,6 +22,8 @@ from typing import Any, Callable
 
 from ..args import TrainingArguments, apply_overrides
 from ..callbacks import TrainerCallback
+from ..driver.torch_trainer import build_torch_trainer, fit
+from ..worker.ray_worker import pickle_trainer
 
 logger = logging.getLogger(__name__)
 
@@ -229,23 +231,32 @@ def run_trial(config: dict[str, Any], spec: dict[str, Any]) -> None:
             package.removeHandler(handler)
 
 
+def pack_trainer(trainer) -> bytes:
+    """The user's Trainer for the trials (its class and every argument, cloudpickled as for Ray workers),
+    less what each trial makes anew: model, optimizer, callbacks (the sweep passes its own beside it)."""
+    view = copy.copy(trainer)
+    view.model = view.callback_handler = view.optimizer = view.lr_scheduler = None
+    view.optimizers = (None, None)
+    return pickle_trainer(view, trainer.args)
+
+
 def _run_trial(config: dict[str, Any], spec: dict[str, Any], trial_dir: str) -> None:
+    import cloudpickle
     from ray import tune
 
     from ..seeding import set_seed
-    from ..trainer import Trainer
 
     ctx = tune.get_context()
     trial_id = ctx.get_trial_id()
-    args = trial_args(spec["args"], config, trial_dir, spec["metric"], spec["mode"])
+    trainer = cloudpickle.loads(spec["trainer"])  # this trial's own copy of the user's Trainer
+    args = trial_args(trainer.args, config, trial_dir, spec["metric"], spec["mode"])
     set_seed(args.seed, args.full_determinism)  # a trial's initial weights follow the seed too
     if spec.get("mlflow"):
         from .tracking import start_child_run
         start_child_run(spec["mlflow"], trial_id, config, args)
-    model = _call_model_init(spec["model_init"], config)
-    trainer = Trainer(model=model, args=args, callbacks=copy.deepcopy(spec["callbacks"]), **spec["trainer_kwargs"])
-    trainer.trial_name = ctx.get_trial_name()
-    trainer.trial_params = dict(config)
+    model = _call_model_init(trainer.model_init, config)
+    trainer.hp_search_setup(args, model, callbacks=copy.deepcopy(spec["callbacks"]),
+                            trial_name=ctx.get_trial_name(), trial_params=dict(config))
     resume, cloned = _resume_point(trial_dir)
     if cloned:
         logger.warning("PBT: continuing from %s with learning_rate=%r", resume, args.learning_rate)
@@ -255,7 +266,7 @@ def _run_trial(config: dict[str, Any], spec: dict[str, Any], trial_dir: str) -> 
     if args.scaling.num_workers > 1:
         reporter = _WorkerReporter(spec["compute_objective"], n, upload=remote)
         storage = join_uri(spec["uri"], os.path.basename(trial_dir)) if remote else None
-        _run_distributed(trainer, resume, reporter, trial_id, storage, spec["mode"])
+        _run_distributed(trainer, resume, reporter, storage, spec["mode"])
         return
     reporter = _Reporter(spec["compute_objective"], n, pointer=spec["scheduler"] == "pbt" and not remote,
                          upload=remote)
@@ -269,44 +280,25 @@ def join_uri(uri: str, name: str) -> str:
     return f"{base.rstrip('/')}/{name}{sep}{query}"
 
 
-def _run_distributed(trainer, resume: str | None, reporter: _WorkerReporter, trial_id: str,
-                     storage: str | None = None, mode: str | None = None) -> None:
+def _run_distributed(trainer, resume: str | None, reporter: _WorkerReporter, storage: str | None = None,
+                     mode: str | None = None) -> None:
     """Ray Train v2's Tune integration: a TorchTrainer started from the trial function, its worker
     results forwarded to Tune by a callback; FailureConfig restarts workers from the trial's
-    newest checkpoint (its output_dir, which _ray_worker finds after a restart).
+    newest checkpoint (its output_dir, which the workers find after a restart).
 
     `storage`: the trial's directory at a URI sweep. The TorchTrainer's run lives there
     (`<uri>/<sweep>/trial_<id>/ray_train/`): Ray Train persists the raytrain checkpoints rank 0
     reports, rotates them (save_total_limit, the best by the objective kept) and keeps its
     checkpoint manager's snapshot, so the same run name and storage started again, on this node
     or another after a sweep restore, hands the workers the newest one (ray.train.get_checkpoint)."""
-    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
-    from ..worker import ray_worker as _ray_worker
-    from ..driver.launch import _RaytrainTorchConfig, _worker_error
+    from ray.train import CheckpointConfig
 
     args = trainer.args
-    scaling = args.scaling
-    torch_trainer = TorchTrainer(
-        _ray_worker.train_loop_per_worker,
-        train_loop_config={"trainer": _ray_worker.pickle_trainer(trainer, copy.deepcopy(args)),
-                           "resume_from_checkpoint": resume, "run": f"trial-{trial_id}-{os.urandom(4).hex()}",
-                           "trial": reporter},
-        scaling_config=ScalingConfig(num_workers=scaling.num_workers, use_gpu=scaling.use_gpu,
-                                     resources_per_worker=scaling.resources_per_worker,
-                                     placement_strategy=scaling.placement_strategy),
-        run_config=RunConfig(name="ray_train", storage_path=storage or args.output_dir,
-                             failure_config=FailureConfig(max_failures=scaling.max_failures),
-                             checkpoint_config=kept_checkpoints(CheckpointConfig, args.save_total_limit, mode)
-                             if storage else None,
-                             callbacks=[_to_tune_callback()]),
-        torch_config=_RaytrainTorchConfig(),
-    )
-    try:
-        torch_trainer.fit()
-    except Exception as e:
-        raise _worker_error(e) from e
+    fit(build_torch_trainer(
+        trainer, copy.deepcopy(args), name="ray_train", storage_path=storage or args.output_dir,
+        resume_from_checkpoint=resume,
+        checkpoint_config=kept_checkpoints(CheckpointConfig, args.save_total_limit, mode) if storage else None,
+        callbacks=[_to_tune_callback()], trial=reporter))
 
 
 def kept_checkpoints(checkpoint_config, keep: int | None, mode: str | None):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from raytrain import Trainer, TrainOutput, load_weights
-from raytrain.driver.launch import _worker_error
+from raytrain.driver.torch_trainer import worker_error
 from tests.strategies._helpers import FaultInjector, WeightsProbe, digits_args, digits_model, state_digest
 
 pytestmark = pytest.mark.ray
@@ -115,9 +115,9 @@ def test_worker_errors_surface_as_the_users_exception():
     class GroupError(Exception):
         worker_failures = {1: Wrapped(RuntimeError("gloo: connection closed")), 0: Wrapped(FileExistsError("x"))}
 
-    assert isinstance(_worker_error(GroupError()), FileExistsError)
+    assert isinstance(worker_error(GroupError()), FileExistsError)
     plain = RuntimeError("controller died")
-    assert _worker_error(plain) is plain
+    assert worker_error(plain) is plain
 
 
 def _free_ports(n: int) -> list[int]:

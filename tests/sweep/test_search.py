@@ -83,6 +83,49 @@ def test_asha_sweep_directory_table_and_best_checkpoint(ray_cluster, tmp_path, d
     assert "Current time:" not in out and "Trial status" not in out  # no Tune progress tables
 
 
+def test_each_trial_trains_the_users_trainer_subclass_with_all_its_arguments(ray_cluster, tmp_path, digits):
+    """A trial runs the user's own Trainer: its class (an overridden compute_loss whose loss is 3.25 exactly)
+    and the arguments it was built with (processing_class, optimizer_cls_and_kwargs), with the trial's args."""
+    import torch
+
+    from examples.digits import build_model, compute_metrics
+
+    class ConstantLoss(Trainer):  # local: cloudpickle ships it by value to the trials
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+            loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch)
+            seen = os.path.join(self.args.output_dir, "seen.json")
+            if self.optimizer is not None and not os.path.exists(seen):
+                group = self.optimizer.param_groups[0]
+                with open(seen, "w") as f:
+                    json.dump({"processing_class": self.processing_class, "optimizer": type(self.optimizer).__name__,
+                               "momentum": group["momentum"], "weight_decay": group["weight_decay"]}, f)
+            loss = loss * 0.0 + 3.25
+            return (loss, outputs) if return_outputs else loss
+
+    train, val = digits
+    args = TrainingArguments(output_dir=str(tmp_path / "out"), max_steps=4, per_device_train_batch_size=32,
+                             eval_strategy="steps", eval_steps=2, save_strategy="steps", save_steps=4,
+                             logging_steps=2, disable_tqdm=True)
+    trainer = ConstantLoss(args=args, model_init=lambda **k: build_model(**k), train_dataset=train, eval_dataset=val,
+                           compute_metrics=compute_metrics, processing_class="digits-v1",
+                           optimizer_cls_and_kwargs=(torch.optim.SGD, {"lr": 0.05, "momentum": 0.5}))
+    best = trainer.hyperparameter_search(
+        {"weight_decay": {"uniform": [0.01, 0.1]}}, n_trials=2, compute_objective=lambda m: m["eval_loss"],
+        scheduler="none", seed=0, max_concurrent_trials=2, name="subclass", plots=False)
+    table = best.run_summary.set_index("trial_id")
+    assert len(table) == 2 and list(table["status"]) == ["finished", "finished"]
+    assert list(table["objective"]) == [3.25, 3.25]  # the override's eval loss, in every trial
+    for trial_id, row in table.iterrows():
+        trial_dir = tmp_path / "out" / "sweeps" / "subclass" / f"trial_{trial_id}"
+        state = json.loads((trial_dir / "checkpoint-4" / "trainer_state.json").read_text())
+        assert [h["loss"] for h in state["log_history"] if "loss" in h] == [3.25, 3.25]
+        assert state["trial_params"] == {"weight_decay": pytest.approx(row["weight_decay"])}
+        assert state["trial_name"] and state["is_hyper_param_search"]
+        seen = json.loads((trial_dir / "seen.json").read_text())
+        assert seen == {"processing_class": "digits-v1", "optimizer": "SGD", "momentum": 0.5,
+                        "weight_decay": pytest.approx(row["weight_decay"])}
+
+
 def test_failures_multi_objective_and_mlflow_parent_child(ray_cluster, tmp_path, digits, monkeypatch):
     mlflow = pytest.importorskip("mlflow")
     from examples.digits import build_model

@@ -1,0 +1,98 @@
+"""The one builder of raytrain's Ray Train TorchTrainer, for training (launch.py) and for a sweep's
+distributed trials: raytrain's worker loop on args.scaling's workers, restarted by FailureConfig, with
+raytrain's SIGTERM handler on every worker; a failed worker's own exception comes back to the caller.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+
+from ray.train.torch import TorchConfig
+from ray.train.torch.config import _TorchBackend
+
+from ..worker import ray_worker
+
+__all__ = ["build_torch_trainer", "fit", "scaling_config", "worker_error"]
+
+
+def scaling_config(scaling):
+    """Ray's ScalingConfig for the `scaling` section of TrainingArguments."""
+    from ray.train import ScalingConfig
+
+    return ScalingConfig(num_workers=scaling.num_workers, use_gpu=scaling.use_gpu,
+                         resources_per_worker=scaling.resources_per_worker,
+                         placement_strategy=scaling.placement_strategy)
+
+
+def build_torch_trainer(trainer, args, *, name: str, storage_path: str | None, resume_from_checkpoint=None,
+                        checkpoint_config=None, callbacks: list | None = None, **worker_config):
+    """A TorchTrainer that runs `trainer` (pickled with `args`) on args.scaling.num_workers workers as
+    run `name` under `storage_path`. `worker_config` travels to every worker beside the trainer
+    (ray_worker.train_loop_per_worker reads `datasets`, `progress` and `trial`)."""
+    from ray.train import FailureConfig, RunConfig
+    from ray.train.torch import TorchTrainer
+
+    config = {"trainer": ray_worker.pickle_trainer(trainer, args), "resume_from_checkpoint": resume_from_checkpoint,
+              # Workers tell a restart within this fit (same id) from a new run in the same output_dir.
+              "run": f"{name}-{os.urandom(4).hex()}", **worker_config}
+    return TorchTrainer(
+        ray_worker.train_loop_per_worker,
+        train_loop_config=config,
+        scaling_config=scaling_config(args.scaling),
+        run_config=RunConfig(name=name, storage_path=storage_path,
+                             failure_config=FailureConfig(max_failures=args.scaling.max_failures),
+                             checkpoint_config=checkpoint_config, callbacks=callbacks),
+        torch_config=_RaytrainTorchConfig(),
+    )
+
+
+def fit(torch_trainer):
+    """torch_trainer.fit(), raising what the failed worker raised (as an in-process run would)."""
+    try:
+        with _sigint_restored():
+            return torch_trainer.fit()
+    except Exception as e:
+        raise worker_error(e) from e
+
+
+def worker_error(error: Exception) -> Exception:
+    """The user's exception from the worker (rank 0's when it failed), so that the driver raises what
+    an in-process run would (ConfigError, FileExistsError, CheckpointError ...); else Ray's error."""
+    failures = getattr(error, "worker_failures", None) or {}
+    for rank in sorted(failures, key=lambda r: (r != 0, r)):
+        base = getattr(failures[rank], "_base_exc", None)
+        if isinstance(base, Exception):
+            return base
+    return error
+
+
+@contextlib.contextmanager
+def _sigint_restored():
+    """fit() installs Ray's SIGINT handler (abort the run) and leaves it in place: a later Ctrl-C in the
+    same Python session would call a finished run's controller. Put the previous handler back."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # a sweep trial's thread: only the main thread has signal handlers
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+class _RaytrainTorchBackend(_TorchBackend):
+    """Ray's torch backend, plus raytrain's SIGTERM handler on every worker: signal handlers can only be
+    set on a process's main thread, which is where Ray runs the worker group's `execute`."""
+
+    def on_training_start(self, worker_group, backend_config):
+        super().on_training_start(worker_group, backend_config)
+        worker_group.execute(ray_worker.install_sigterm_handler)
+
+
+class _RaytrainTorchConfig(TorchConfig):
+    @property
+    def backend_cls(self):
+        return _RaytrainTorchBackend
