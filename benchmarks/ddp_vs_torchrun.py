@@ -192,7 +192,7 @@ def role_memory(args) -> None:
     class Probe(TrainerCallback):
         def on_pre_optimizer_step(self, args_, state, control, **kwargs):
             if state.global_step == 2:  # the third step: gradients and optimizer state both exist
-                result.update(_held_bytes(trainer._strategy), rss_delta=_rss() - rss0)
+                result.update(_held_bytes(trainer.get_strategy()), rss_delta=_rss() - rss0)
 
     targs = TrainingArguments(
         output_dir=os.path.join(args.storage, args.backend), max_steps=3, per_device_train_batch_size=16,
@@ -201,7 +201,7 @@ def role_memory(args) -> None:
     torch.manual_seed(0)
     trainer = Trainer(MLP(BIG_WIDTH, BIG_DEPTH), targs, train_dataset=data, callbacks=[Probe()])
     loop.train(trainer)  # this rank's loop, in-process: torchrun already started every rank
-    gathered = trainer._strategy.all_gather_object(result)
+    gathered = trainer.get_strategy().all_gather_object(result)
     if dist.get_rank() == 0:
         _write(args.out, {"backend": args.backend, "ranks": gathered,
                           "params": sum(p.numel() for p in MLP(BIG_WIDTH, BIG_DEPTH).parameters())})

@@ -162,3 +162,28 @@ def save_pretrained_files(model: Any, processing_class: Any, args: Any, director
     if args is not None:
         torch.save(args, os.path.join(directory, "training_args.bin"))
     return sorted(set(os.listdir(directory)) - before)
+
+
+def default_label_names(model) -> list[str]:
+    """HF's default: the label arguments of a transformers model's forward (e.g. start_positions and
+    end_positions for question answering); ["labels"] for any other model."""
+    if is_pretrained_model(model):
+        from transformers.utils import find_labels
+
+        from .strategies.base import unwrap_model
+        names = find_labels(type(unwrap_model(model)))
+        if names:
+            return names
+    return ["labels"]
+
+
+def accepts_num_items(model) -> bool:
+    """Whether the model's forward takes num_items_in_batch (then it normalises its loss itself)."""
+    from .strategies.base import unwrap_model
+
+    fwd = unwrap_model(model).forward
+    try:
+        params = inspect.signature(fwd).parameters
+    except (TypeError, ValueError):
+        return False
+    return "num_items_in_batch" in params

@@ -123,15 +123,14 @@ def _check_items(dataset, what: str) -> None:
 def _resume_arg(value: str, args: TrainingArguments):
     """--resume as the Trainer's resume_from_checkpoint; mistakes named with CLI flags."""
     from .checkpoint import MANIFEST, sorted_checkpoints
+    from .worker.resume import fresh_start_refusal
 
     if value == "auto":
         return "auto"
     if value == "never":
-        existing = sorted_checkpoints(args.output_dir)
-        if existing and not args.overwrite_output_dir:
-            raise ConfigError(f"output_dir {args.output_dir} already holds {os.path.basename(existing[-1][1])}; "
-                              "use --resume auto to continue it, or --set overwrite_output_dir=true to start "
-                              "over (its checkpoints are then deleted)")
+        refusal = None if args.overwrite_output_dir else fresh_start_refusal(args.output_dir)
+        if refusal:
+            raise ConfigError(refusal)
         return None
     if not os.path.isdir(value):
         raise ConfigError(f"--resume: {value!r} is not a checkpoint directory (or use auto / never)")
@@ -388,9 +387,10 @@ class _TrackedRun:
         if cb is None:
             return cls()
         from . import tracking
+        from .worker.resume import likely_checkpoint
 
         args = trainer.args
-        run_id = tracking.run_id_in_checkpoint(_resume_candidate(args.output_dir, resume))
+        run_id = tracking.run_id_in_checkpoint(likely_checkpoint(args.output_dir, resume))
         if run_id:
             tracking.reopen_run(cb.client, run_id, args)
         else:
@@ -418,19 +418,6 @@ class _TrackedRun:
             print(f"mlflow: run {self.callback.run_id}; see it with: {tracking.ui_command(self.callback.tracking_uri)}")
 
 
-def _resume_candidate(output_dir: str, resume) -> str | None:
-    """The checkpoint resume will most likely use (the newest with a readable trainer_state.json), read
-    without verifying checksums: only to find its MLflow run id."""
-    from .checkpoint import sorted_checkpoints
-
-    if resume is None:
-        return None
-    if resume != "auto":
-        return resume
-    for _, path in reversed(sorted_checkpoints(output_dir)):
-        if os.path.isfile(os.path.join(path, "trainer_state.json")):
-            return path
-    return None
 
 
 def run_search_cli(args: TrainingArguments, job: dict, path: str, resume: Any = "auto") -> int:

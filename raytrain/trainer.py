@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import inspect
-import json
 import logging
 import os
-import resource
 from typing import Any, Callable
 
 import torch
@@ -17,6 +15,7 @@ from .args import TrainingArguments
 from .callbacks import CallbackHandler, DefaultFlowCallback, PrinterCallback, ProgressCallback
 from .checkpoint import save_weights
 from .data.columns import count_items, is_named_datasets
+from .metrics import MemoryTracker, print_metrics, write_metrics
 from .worker.evaluation import EvalLoopOutput, evaluation_loop
 from .optim import create_optimizer, create_scheduler, get_lr, get_parameter_groups
 from .seeding import set_seed
@@ -44,9 +43,9 @@ class Trainer:
                  callbacks: list | None = None, optimizers=(None, None),
                  optimizer_cls_and_kwargs: tuple[type, dict] | None = None,
                  preprocess_logits_for_metrics: Callable | None = None):
-        self._memory: dict[str, dict[str, float]] = {}
+        self._memory = MemoryTracker()
         self.args = args if args is not None else TrainingArguments(output_dir="trainer_output")
-        self._start_memory_tracking("init")
+        self.start_memory_tracking("init")
         if self.args.log_level != "passive":
             logging.getLogger("raytrain").setLevel(self.args.log_level.upper())
         set_seed(self.args.seed, self.args.full_determinism)
@@ -66,11 +65,11 @@ class Trainer:
         self.optimizer_cls_and_kwargs = optimizer_cls_and_kwargs
         self.optimizers = optimizers
         self.optimizer, self.lr_scheduler = optimizers
-        self.label_names = self.args.label_keys if self.args.label_names else _default_label_names(self.model)
+        self.label_names = self.args.label_keys if self.args.label_names else hf.default_label_names(self.model)
         self.label_smoother = (hf.LabelSmoother(self.args.label_smoothing_factor)
                                if self.args.label_smoothing_factor else None)
         self._strategy = None
-        self._ignore_keys_for_eval: list[str] | None = None
+        self.ignore_keys_for_eval: list[str] | None = None  # train()'s, for the loop's evaluations
         self.trial_name: str | None = None  # set by a sweep: its TrainerState says which trial it is
         self.trial_params: dict | None = None
         defaults = [DefaultFlowCallback, PrinterCallback if self.args.disable_tqdm else ProgressCallback]
@@ -79,7 +78,7 @@ class Trainer:
         self.state = TrainerState()
         self.control = TrainerControl()
         self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
-        self._stop_memory_tracking("init")
+        self.stop_memory_tracking("init")
 
     # ------------------------------------------------------------ public API
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None,
@@ -89,7 +88,7 @@ class Trainer:
             raise TypeError(f"train() got unexpected arguments {sorted(kwargs)}")
         if self.train_dataset is None:
             raise ValueError("Trainer.train() needs a train_dataset")
-        self._ignore_keys_for_eval = ignore_keys_for_eval
+        self.ignore_keys_for_eval = ignore_keys_for_eval
         if self.args.should_use_distributed:
             from .driver.launch import run_distributed
             return run_distributed(self, resume_from_checkpoint)
@@ -98,7 +97,7 @@ class Trainer:
             self.model = self.call_model_init(trial)
             self.optimizer = self.lr_scheduler = None
             self.__dict__.pop("_model_flops", None)
-        self._start_memory_tracking("train")
+        self.start_memory_tracking("train")
         from .worker.signals import python_interrupts
 
         with python_interrupts(self):  # Ctrl-C: save at the next step, then KeyboardInterrupt
@@ -119,10 +118,10 @@ class Trainer:
             return metrics
         if dataset is None:
             raise ValueError("evaluate() needs an eval_dataset (given to Trainer or to evaluate)")
-        self._start_memory_tracking("eval")
+        self.start_memory_tracking("eval")
         source = self.get_eval_dataloader(dataset)
         out = self.evaluation_loop(source, "Evaluation", ignore_keys=ignore_keys, metric_key_prefix=metric_key_prefix)
-        metrics = {**out.metrics, **self._stop_memory_tracking("eval")}
+        metrics = {**out.metrics, **self.stop_memory_tracking("eval")}
         self.log(metrics)
         self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
         return metrics
@@ -131,10 +130,10 @@ class Trainer:
                 metric_key_prefix: str = "test") -> PredictionOutput:
         """Every non-loss output of the model on `test_dataset` (a tuple when there are several), the
         labels if present, and metrics; sequences are padded with -100 across batches, as HF."""
-        self._start_memory_tracking("test")
+        self.start_memory_tracking("test")
         out = self.evaluation_loop(self.get_test_dataloader(test_dataset), "predict", ignore_keys=ignore_keys,
                                    metric_key_prefix=metric_key_prefix)
-        metrics = {**out.metrics, **self._stop_memory_tracking("test")}
+        metrics = {**out.metrics, **self.stop_memory_tracking("test")}
         self.control = self.callback_handler.on_predict(self.args, self.state, self.control, metrics)
         return PredictionOutput(out.predictions, out.label_ids, metrics)
 
@@ -147,7 +146,7 @@ class Trainer:
         """Write the full weights as model.safetensors (rank 0) plus training_args.json; for a transformers
         model also config.json, the processing class's files and training_args.bin (from_pretrained works)."""
         output_dir = output_dir or self.args.output_dir
-        strategy = self._get_strategy()
+        strategy = self.get_strategy()
         state = strategy.model_state_dict() if strategy.model is not None else \
             {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
         if strategy.is_main:
@@ -189,30 +188,13 @@ class Trainer:
 
     def log_metrics(self, split: str, metrics: dict[str, float]) -> None:
         """Print `metrics` as HF does: a header, then one aligned `key = value` line each (main process)."""
-        if not self.is_world_process_zero():
-            return
-        print(f"***** {split} metrics *****")
-        shown = _metrics_format(metrics)
-        width = max((len(k) for k in shown), default=0)
-        for key in sorted(shown):
-            print(f"  {key: <{width}} = {shown[key]}")
+        if self.is_world_process_zero():
+            print_metrics(split, metrics)
 
     def save_metrics(self, split: str, metrics: dict[str, float], combined: bool = True) -> None:
         """Write `{split}_results.json` (and merge into all_results.json) in output_dir (main process)."""
-        if not self.is_world_process_zero():
-            return
-        os.makedirs(self.args.output_dir, exist_ok=True)
-        with open(os.path.join(self.args.output_dir, f"{split}_results.json"), "w", encoding="utf-8") as f:
-            json.dump(metrics, f, indent=4, sort_keys=True)
-        if combined:
-            path = os.path.join(self.args.output_dir, "all_results.json")
-            merged = {}
-            if os.path.exists(path):
-                with open(path, encoding="utf-8") as f:
-                    merged = json.load(f)
-            merged.update(metrics)
-            with open(path, "w", encoding="utf-8") as f:
-                json.dump(merged, f, indent=4, sort_keys=True)
+        if self.is_world_process_zero():
+            write_metrics(self.args.output_dir, split, metrics, combined)
 
     def save_state(self) -> None:
         """Write trainer_state.json into output_dir (main process)."""
@@ -221,10 +203,10 @@ class Trainer:
             self.state.save_to_json(os.path.join(self.args.output_dir, "trainer_state.json"))
 
     def is_world_process_zero(self) -> bool:
-        return self._get_strategy().is_main
+        return self.get_strategy().is_main
 
     def is_local_process_zero(self) -> bool:
-        return self._get_strategy().local_rank == 0
+        return self.get_strategy().local_rank == 0
 
     def get_num_trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
@@ -267,7 +249,7 @@ class Trainer:
         dataset and batch size, and reused by every evaluation."""
         from .data.build import model_inputs
         from .data.loaders import build_loader, prepare_dataset
-        args, strategy = self.args, self._get_strategy()
+        args, strategy = self.args, self.get_strategy()
         cache = self.__dict__.setdefault("_data_sources", {})
         key = (id(dataset), batch_size, training, strategy.rank, strategy.world_size)
         hit = cache.get(key)
@@ -306,7 +288,7 @@ class Trainer:
         self.create_optimizer()
         self.create_scheduler(num_training_steps, self.optimizer)
 
-    def _optimizer_factory(self, num_training_steps: int) -> Callable[[torch.nn.Module], torch.optim.Optimizer]:
+    def optimizer_factory(self, num_training_steps: int) -> Callable[[torch.nn.Module], torch.optim.Optimizer]:
         """What the strategy calls once it placed the model: create_optimizer, or an overridden
         create_optimizer_and_scheduler (whose create_optimizer() then sees the placed model)."""
         overridden = type(self).create_optimizer_and_scheduler is not Trainer.create_optimizer_and_scheduler
@@ -324,8 +306,8 @@ class Trainer:
 
     # ------------------------------------------------------------ overridable maths
     def _prepare_inputs(self, inputs: dict) -> dict:
-        """The batch on this rank's device."""
-        device = self._get_strategy().device
+        """The batch on this rank's device (HF's name: override this one)."""
+        device = self.get_strategy().device
         if device.type == "cpu":
             return inputs
         return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
@@ -341,7 +323,7 @@ class Trainer:
             else:
                 total, items = self.label_smoother(outputs, labels, shift_labels=hf.is_causal_lm(unwrap_model(model)))
                 loss = total / (num_items_in_batch if num_items_in_batch is not None else items)
-        elif num_items_in_batch is not None and self._wants_num_items():
+        elif num_items_in_batch is not None and self.loss_needs_num_items():
             outputs = model(**inputs, num_items_in_batch=num_items_in_batch)
             loss = hf.loss_of(outputs)
         else:
@@ -373,7 +355,7 @@ class Trainer:
             labels = labels[0] if len(labels) == 1 else labels
         if ignore_keys is None:
             ignore_keys = hf.ignore_keys_for(unwrap_model(model))
-        with torch.no_grad(), self._get_strategy().autocast():
+        with torch.no_grad(), self.get_strategy().autocast():
             if has_labels and self.compute_loss_func is not None and "labels" in inputs:
                 outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
                 loss = self.compute_loss_func(outputs, inputs["labels"], count_items(inputs))
@@ -388,10 +370,10 @@ class Trainer:
             return loss, None, None
         return loss, hf.predictions_of(outputs, loss is not None, ignore_keys), labels
 
-    def _wants_num_items(self) -> bool:
+    def loss_needs_num_items(self) -> bool:
         """Whether the loss needs num_items_in_batch even for a single micro-batch on one rank."""
         if not hasattr(self, "_wants_items"):
-            self._wants_items = self.compute_loss_func is not None or _accepts_num_items(self.model)
+            self._wants_items = self.compute_loss_func is not None or hf.accepts_num_items(self.model)
         return self._wants_items
 
     def floating_point_ops(self, inputs: dict) -> float:
@@ -429,56 +411,41 @@ class Trainer:
                          preprocess_logits_for_metrics=self.preprocess_logits_for_metrics)
         self.trial_name, self.trial_params = trial_name, trial_params
 
-    # ------------------------------------------------------------ internals
-    def _get_strategy(self):
+    # ------------------------------------------------------------ hooks the worker calls (worker/protocol.py)
+    def get_strategy(self):
+        """This process's Strategy (the backend), created from args on first use."""
         if self._strategy is None:
             from .strategies import create_strategy
             self._strategy = create_strategy(self.args)
         return self._strategy
 
-    def strategy_is_main(self) -> bool:
-        return self._get_strategy().is_main
+    def set_strategy(self, strategy) -> None:
+        """Use `strategy` from now on; None: create one from args on next use (a fresh process)."""
+        self._strategy = strategy
 
-    def _get_learning_rate(self) -> float:
+    def prepare_inputs(self, inputs: dict) -> dict:
+        """The batch on this rank's device, by HF's overridable _prepare_inputs."""
+        return self._prepare_inputs(inputs)
+
+    def current_learning_rate(self) -> float:
         if hasattr(self.lr_scheduler, "get_last_lr"):
             return float(self.lr_scheduler.get_last_lr()[0])
         return get_lr(self.optimizer)
 
-    def _report_to_trial(self, trial, metrics: dict, checkpoint_dir: str | None = None) -> None:
+    def report_to_trial(self, trial, metrics: dict, checkpoint_dir: str | None = None) -> None:
+        """An evaluation's metrics (and the checkpoint saved with them) to a sweep's trial reporter."""
         report = getattr(trial, "report", None)
         if callable(report):
             report(metrics, self.state.global_step, checkpoint_dir)
 
-    def _start_memory_tracking(self, stage: str = "train") -> None:
+    def start_memory_tracking(self, stage: str = "train") -> None:
         """HF's memory metrics ({stage}_mem_cpu_alloc_delta ...) for init, train, eval and test."""
-        if self.args.skip_memory_metrics:
-            return
-        start = {"cpu": _rss_bytes(), "peak": _peak_rss_bytes()}
-        if torch.cuda.is_available():
-            torch.cuda.reset_peak_memory_stats()
-            start["gpu"] = torch.cuda.memory_allocated()
-        self._memory[stage] = start
+        if not self.args.skip_memory_metrics:
+            self._memory.start(stage)
 
-    def _stop_memory_tracking(self, stage: str) -> dict[str, int]:
-        """The stage's memory metrics; init's are kept and reported with the first train/eval/test, as HF."""
-        if self.args.skip_memory_metrics or stage not in self._memory:
-            return {}
-        start = self._memory.pop(stage)
-        out = {f"{stage}_mem_cpu_alloc_delta": _rss_bytes() - start["cpu"],
-               f"{stage}_mem_cpu_peaked_delta": max(0, _peak_rss_bytes() - max(start["peak"], _rss_bytes()))}
-        if "gpu" in start:
-            out[f"{stage}_mem_gpu_alloc_delta"] = torch.cuda.memory_allocated() - start["gpu"]
-            out[f"{stage}_mem_gpu_peaked_delta"] = max(0, torch.cuda.max_memory_allocated()
-                                                       - torch.cuda.memory_allocated())
-        if stage == "init":
-            self._init_memory = out
-            return out
-        out = {**getattr(self, "_init_memory", {}), **out}
-        self._init_memory = {}
-        return out
-
-    def _memory_metrics(self, stage: str) -> dict[str, int]:
-        return self._stop_memory_tracking(stage)
+    def stop_memory_tracking(self, stage: str) -> dict[str, int]:
+        """The stage's memory metrics (with init's, the first time), or {} under skip_memory_metrics."""
+        return {} if self.args.skip_memory_metrics else self._memory.stop(stage)
 
     def _train_finding_batch_size(self, resume_from_checkpoint, trial) -> TrainOutput:
         """auto_find_batch_size: halve the per-device batch on out-of-memory and start again."""
@@ -496,7 +463,7 @@ class Trainer:
                 self.model.load_state_dict(initial)
                 self.optimizer = self.lr_scheduler = None
                 self.optimizers = (None, None)
-                self._strategy = None
+                self.set_strategy(None)
                 self.__dict__.pop("_data_sources", None)
                 if torch.cuda.is_available():
                     torch.cuda.empty_cache()
@@ -511,57 +478,9 @@ def _is_out_of_memory(e: BaseException) -> bool:
                                             or "DefaultCPUAllocator: can't allocate memory" in text)
 
 
-def _default_label_names(model) -> list[str]:
-    """HF's default: the label arguments of a transformers model's forward (e.g. start_positions and
-    end_positions for question answering); ["labels"] for any other model."""
-    if hf.is_pretrained_model(model):
-        from transformers.utils import find_labels
-        names = find_labels(type(unwrap_model(model)))
-        if names:
-            return names
-    return ["labels"]
-
-
-def _metrics_format(metrics: dict[str, float]) -> dict[str, Any]:
-    """HF's formatting for log_metrics: memory deltas in MB, runtimes as h:mm:ss, floats to 4 digits."""
-    out: dict[str, Any] = {}
-    for k, v in metrics.items():
-        if "_mem_" in k:
-            out[k] = f"{v >> 20}MB"
-        elif "_runtime" in k:
-            h, rem = divmod(int(v), 3600)
-            m, s = divmod(rem, 60)
-            out[k] = f"{h}:{m:02d}:{s:02d}.{int(100 * (v - int(v))):02d}"
-        elif k == "total_flos":
-            out[k] = f"{int(v) >> 30}GF"
-        elif isinstance(v, float):
-            out[k] = round(v, 4)
-        else:
-            out[k] = v
-    return out
-
-
 def _integration_callbacks(args) -> list:
     out = []
     if "mlflow" in args.report_to:
         from .callbacks.mlflow import MLflowCallback
         out.append(MLflowCallback)
     return out
-
-
-def _accepts_num_items(model) -> bool:
-    fwd = unwrap_model(model).forward
-    try:
-        params = inspect.signature(fwd).parameters
-    except (TypeError, ValueError):
-        return False
-    return "num_items_in_batch" in params
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _peak_rss_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -62,7 +62,7 @@ def test_fp16_grad_scaler_on_cuda(tmp_path, digits):
     trainer = Trainer(build_model(), _args(tmp_path, fp16=True, save_strategy="steps", save_steps=60),
                       train_dataset=train)
     trainer.train()
-    strategy = trainer._get_strategy()
+    strategy = trainer.get_strategy()
     assert strategy.device.type == "cuda" and strategy.scaler is not None
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     assert losses[-1] < losses[0]

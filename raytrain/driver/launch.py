@@ -77,7 +77,7 @@ def _apply_result(trainer, value: dict) -> TrainOutput:
     weights = torch.load(io.BytesIO(value["weights"]), map_location="cpu", weights_only=True)
     trainer.model.load_state_dict(weights)
     trainer.model_wrapped = None
-    trainer._strategy = SingleProcessStrategy(trainer.args)  # the driver has no process group
+    trainer.set_strategy(SingleProcessStrategy(trainer.args))  # the driver has no process group
     return TrainOutput(value["global_step"], value["training_loss"], value["metrics"])
 
 

@@ -149,16 +149,18 @@ class _RestoreTrialParams(TrainerCallback):
 
 
 def _resume_point(trial_dir: str) -> tuple[str | None, bool]:
-    """(checkpoint to continue, whether it is another trial's). PBT's exploit hands this trial a
-    pointer into another trial's directory: that wins. Otherwise this trial's newest complete
-    checkpoint (after a driver restore it may be newer than the last one Tune heard of)."""
+    """(checkpoint to continue, whether it is another trial's). Fetching what Tune restored is done
+    here; resume.choose decides: PBT's exploit hands this trial a pointer into another trial's
+    directory, which wins; otherwise this trial's newest complete checkpoint (after a driver
+    restore it may be newer than the last one Tune heard of)."""
     from ray import tune
 
-    from ..checkpoint import get_last_checkpoint
+    from ..worker.resume import choose
 
     restored = tune.get_checkpoint()
     if restored is not None and _is_raytrain_checkpoint(restored):
         return _fetch_checkpoint(restored, trial_dir)
+    clone = None
     if restored is not None:
         with restored.as_directory() as d:
             with open(os.path.join(d, POINTER)) as f:
@@ -167,8 +169,9 @@ def _resume_point(trial_dir: str) -> tuple[str | None, bool]:
             if not os.path.isdir(path):
                 raise FileNotFoundError(f"PBT: the checkpoint to clone, {path}, was rotated away; "
                                         "raise save_total_limit")
-            return path, True
-    return (get_last_checkpoint(trial_dir) if os.path.isdir(trial_dir) else None), False
+            clone = path
+    kind, path = choose(trial_dir, clone=clone)
+    return path, kind == "clone"
 
 
 def _is_raytrain_checkpoint(checkpoint) -> bool:

@@ -7,13 +7,16 @@ batches of different sequence lengths are padded with -100 before concatenation,
 from __future__ import annotations
 
 import time
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 import torch
 
 from ..data.columns import count_items
 from ..state import EvalPrediction
+
+if TYPE_CHECKING:
+    from .protocol import TrainerProtocol
 
 
 class EvalLoopOutput(NamedTuple):
@@ -23,10 +26,10 @@ class EvalLoopOutput(NamedTuple):
     num_samples: int
 
 
-def evaluation_loop(trainer, source, description: str, prediction_loss_only: bool | None = None,
+def evaluation_loop(trainer: TrainerProtocol, source, description: str, prediction_loss_only: bool | None = None,
                     ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> EvalLoopOutput:
     """Run the model over `source` (a data source of this rank's batches), gather, compute metrics."""
-    args, strategy = trainer.args, trainer._get_strategy()
+    args, strategy = trainer.args, trainer.get_strategy()
     model = trainer.model_wrapped if trainer.model_wrapped is not None else trainer.model.to(strategy.device)
     cb = trainer.callback_handler
     cb.eval_dataloader = source
@@ -40,7 +43,7 @@ def evaluation_loop(trainer, source, description: str, prediction_loss_only: boo
     model.eval()
     n_batches = len(source)
     for i, batch in enumerate(source.iter_batches(0)):
-        batch = trainer._prepare_inputs(batch)
+        batch = trainer.prepare_inputs(batch)
         loss, logits, label = trainer.prediction_step(model, batch, prediction_loss_only=not want_preds,
                                                       ignore_keys=ignore_keys)
         n = count_items(batch) if loss is not None else None

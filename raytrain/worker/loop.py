@@ -1,4 +1,5 @@
-"""WORKER side: train / evaluate / predict for one rank, whatever the backend.
+"""WORKER side: train for one rank, whatever the backend. Which checkpoint it continues is resume.py's
+choice; how each piece of the run is saved and restored, run_state.py's.
 
 The loop, with every callback event in the order it fires (HF Trainer's order)::
 
@@ -33,59 +34,35 @@ import itertools
 import logging
 import math
 import os
-import random
 import shutil
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from .. import checkpoint as ckpt
-from .. import hf
-from . import resume
+from . import resume, run_state
 from ..data.columns import check_same_schema, count_items, is_named_datasets
 from ..data.loaders import LoaderSource, check_iterable_training, num_batches
 from ..optim import scheduler_needs_metric
-from .resume import DATA_STATE, LOOP_STATE
+from .run_state import RunState
 from ..state import TrainerState, TrainOutput
 
-logger = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    from .protocol import TrainerProtocol
 
+logger = logging.getLogger(__name__)
 
 
 class NonFiniteError(RuntimeError):
     """Too many optimizer steps in a row had non-finite gradients."""
 
 
-@dataclass
-class _Run:
-    """What one rank's training run holds; every piece that must survive a restart is saved."""
-
-    trainer: Any
-    strategy: Any
-    data: Any                             # a source: iter_batches(epoch, start), state(); len() unless a stream
-    steps_per_epoch: int
-    num_batches: int | None = None        # batches per epoch; None for a stream (ends when it does)
-    exhausted: bool = False               # the current epoch's batches have all been taken
-    writer: ckpt.CheckpointWriter | None = None
-    epoch: int = 0
-    next_batch: int = 0
-    tr_loss: torch.Tensor | None = None  # sum of step losses since the last log, on device
-    total_loss: float = 0.0               # sum of step losses of logged intervals, for train_loss
-    last_logged: int = 0
-    last_saved: int = -1
-    grad_norm: torch.Tensor | None = None
-    last_lr: float = 0.0
-    nonfinite: list[int] = field(default_factory=list)
-    skipped_steps: int = 0
-
-
 # ---------------------------------------------------------------- train
 
 
-def train(trainer, resume_from_checkpoint=None, trial=None) -> TrainOutput:
+def train(trainer: TrainerProtocol, resume_from_checkpoint=None, trial=None) -> TrainOutput:
     run = _setup(trainer)
     path = resume.resolve(trainer, resume_from_checkpoint)
     if path:
@@ -94,7 +71,7 @@ def train(trainer, resume_from_checkpoint=None, trial=None) -> TrainOutput:
     start, start_step = time.perf_counter(), state.global_step
     trainer.control = cb.on_train_begin(args, state, trainer.control)
     if args.eval_on_start and state.global_step == 0:
-        trainer.evaluate(ignore_keys=trainer._ignore_keys_for_eval)  # a sanity check, as HF; not a best candidate
+        trainer.evaluate(ignore_keys=trainer.ignore_keys_for_eval)  # a sanity check, as HF; not a best candidate
     while state.global_step < state.max_steps and not trainer.control.should_training_stop:
         trainer.control = cb.on_epoch_begin(args, state, trainer.control)
         for window in _windows(run):
@@ -120,10 +97,10 @@ def train(trainer, resume_from_checkpoint=None, trial=None) -> TrainOutput:
     return TrainOutput(state.global_step, metrics["train_loss"], metrics)
 
 
-def _keep_only_best(trainer) -> None:
+def _keep_only_best(trainer: TrainerProtocol) -> None:
     """As HF: with save_total_limit 1 and a best checkpoint, the run ends with the best one alone."""
     args, state = trainer.args, trainer.state
-    if args.save_total_limit != 1 or not state.best_model_checkpoint or not trainer.strategy_is_main():
+    if args.save_total_limit != 1 or not state.best_model_checkpoint or not trainer.is_world_process_zero():
         return
     best = os.path.abspath(state.best_model_checkpoint)
     for _, p in ckpt.sorted_checkpoints(args.output_dir):
@@ -131,16 +108,16 @@ def _keep_only_best(trainer) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def _setup(trainer) -> _Run:
+def _setup(trainer: TrainerProtocol) -> RunState:
     """Strategy, data, model, optimizer, scheduler and a fresh TrainerState for this rank."""
     args = trainer.args
-    strategy = trainer._get_strategy()
+    strategy = trainer.get_strategy()
     data = _train_source(trainer, strategy)
     n_batches, steps_per_epoch, max_steps, epochs = _plan_steps(args, data)
     opt, sched = trainer.optimizers
     if trainer.lr_scheduler is not None and trainer.lr_scheduler is not sched:
         trainer.lr_scheduler = None  # a schedule created by an earlier train() starts over, as HF
-    model, optimizer = strategy.setup(trainer.model, trainer._optimizer_factory(max_steps), opt)
+    model, optimizer = strategy.setup(trainer.model, trainer.optimizer_factory(max_steps), opt)
     trainer.model_wrapped, trainer.optimizer = model, optimizer
     trainer.create_scheduler(max_steps, optimizer)
     cb = trainer.callback_handler
@@ -160,11 +137,11 @@ def _setup(trainer) -> _Run:
         writer = ckpt.CheckpointWriter(args.output_dir, rank=strategy.rank, world_size=strategy.world_size,
                                        strategy=strategy.name, barrier=strategy.barrier,
                                        save_async=args.save_async, async_policy=args.save_async_policy)
-    return _Run(trainer, strategy, data, steps_per_epoch, n_batches, writer=writer,
-                tr_loss=torch.zeros((), device=strategy.device))
+    return RunState(trainer, strategy, data, steps_per_epoch, n_batches, writer=writer,
+                    tr_loss=torch.zeros((), device=strategy.device))
 
 
-def _train_source(trainer, strategy):
+def _train_source(trainer: TrainerProtocol, strategy):
     """get_train_dataloader's source (a plain iterable of batches is wrapped); eval sets checked against it."""
     data = trainer.get_train_dataloader()
     if not hasattr(data, "iter_batches"):  # an overridden get_train_dataloader returned a plain iterable
@@ -189,7 +166,7 @@ def _plan_steps(args, data) -> tuple[int | None, int, int, int]:
             math.ceil(args.num_train_epochs))
 
 
-def _windows(run: _Run):
+def _windows(run: RunState):
     """The micro-batches of each update step from the current data position to the epoch's end."""
     ga = run.trainer.args.gradient_accumulation_steps
     if run.num_batches is not None and run.next_batch >= run.num_batches:
@@ -206,13 +183,13 @@ def _windows(run: _Run):
             return
 
 
-def _train_step(run: _Run, window: list[dict]) -> None:
+def _train_step(run: RunState, window: list[dict]) -> None:
     trainer, strategy = run.trainer, run.strategy
     args, state, cb = trainer.args, trainer.state, trainer.callback_handler
     trainer.control = cb.on_step_begin(args, state, trainer.control)
-    window = [trainer._prepare_inputs(b) for b in window]
+    window = [trainer.prepare_inputs(b) for b in window]
     num_items = None
-    if len(window) > 1 or strategy.world_size > 1 or trainer._wants_num_items():
+    if len(window) > 1 or strategy.world_size > 1 or trainer.loss_needs_num_items():
         # Normalise by the items of the whole update step (all micro-batches, all ranks); with one
         # micro-batch on one rank the weight is exactly 1 and the count is skipped.
         num_items = strategy.all_reduce(sum(count_items(b) for b in window))
@@ -231,7 +208,7 @@ def _train_step(run: _Run, window: list[dict]) -> None:
     trainer.control = cb.on_pre_optimizer_step(args, state, trainer.control)
     stepped = strategy.optimizer_step(run.grad_norm)
     trainer.control = cb.on_optimizer_step(args, state, trainer.control)
-    run.last_lr = trainer._get_learning_rate()  # the rate this step used is the one logged, as HF
+    run.last_lr = trainer.current_learning_rate()  # the rate this step used is the one logged, as HF
     if not scheduler_needs_metric(trainer.lr_scheduler):
         trainer.lr_scheduler.step()
     strategy.zero_grad()
@@ -254,7 +231,7 @@ def _tokens(batch: dict, how: str) -> int:
     return ids.numel() if ids is not None else 0
 
 
-def _account_nonfinite(run: _Run, stepped: bool) -> None:
+def _account_nonfinite(run: RunState, stepped: bool) -> None:
     step = run.trainer.state.global_step
     if stepped:
         run.nonfinite.clear()
@@ -272,7 +249,7 @@ def _account_nonfinite(run: _Run, stepped: bool) -> None:
             "lower learning_rate, set max_grad_norm, or use bf16; the last checkpoint is unaffected")
 
 
-def _log_evaluate_save(run: _Run, trial, epoch_finished: bool = False) -> None:
+def _log_evaluate_save(run: RunState, trial, epoch_finished: bool = False) -> None:
     trainer = run.trainer
     control, state = trainer.control, trainer.state
     if control.should_log and state.global_step > run.last_logged:
@@ -289,7 +266,7 @@ def _log_evaluate_save(run: _Run, trial, epoch_finished: bool = False) -> None:
         trainer.log(logs)
     metrics = None
     if control.should_evaluate:
-        metrics = trainer.evaluate(ignore_keys=trainer._ignore_keys_for_eval)
+        metrics = trainer.evaluate(ignore_keys=trainer.ignore_keys_for_eval)
         _update_best(trainer, metrics)
         if trainer.args.save_strategy == "best":
             control.should_save = state.best_global_step == state.global_step
@@ -297,15 +274,15 @@ def _log_evaluate_save(run: _Run, trial, epoch_finished: bool = False) -> None:
     if trainer.control.should_save and _skip_save(run):
         trainer.control.should_save = False
     if trainer.control.should_save:
-        saved = _save(run, epoch_finished)
+        saved = run_state.save(run, epoch_finished)
         trainer.control = trainer.callback_handler.on_save(trainer.args, state, trainer.control)
     if trial is not None and metrics is not None:
         if saved and run.writer is not None:
             run.writer.wait()  # a search scheduler (PBT) may restore this checkpoint at once
-        trainer._report_to_trial(trial, metrics, saved)
+        trainer.report_to_trial(trial, metrics, saved)
 
 
-def _skip_save(run: _Run) -> bool:
+def _skip_save(run: RunState) -> bool:
     """save_async_policy "skip": drop this save while the previous one is still being written; the
     run's last save and a new best are always written (after waiting)."""
     state, control = run.trainer.state, run.trainer.control
@@ -313,7 +290,7 @@ def _skip_save(run: _Run) -> bool:
     return run.writer is not None and run.writer.should_skip(must_save=must)
 
 
-def _update_best(trainer, metrics: dict) -> None:
+def _update_best(trainer: TrainerProtocol, metrics: dict) -> None:
     args, state = trainer.args, trainer.state
     if scheduler_needs_metric(trainer.lr_scheduler):
         trainer.lr_scheduler.step(metrics[_metric_key(args.metric_for_best_model or "loss")])
@@ -333,7 +310,7 @@ def _metric_key(name: str) -> str:
     return name if name.startswith("eval_") else f"eval_{name}"
 
 
-def _train_metrics(run: _Run, start: float, start_step: int) -> dict:
+def _train_metrics(run: RunState, start: float, start_step: int) -> dict:
     trainer, state = run.trainer, run.trainer.state
     runtime = time.perf_counter() - start
     steps = state.global_step - start_step
@@ -349,73 +326,8 @@ def _train_metrics(run: _Run, start: float, start_step: int) -> dict:
     }
     if run.skipped_steps:
         metrics["train_skipped_steps"] = run.skipped_steps
-    metrics.update(trainer._memory_metrics("train"))
+    metrics.update(trainer.stop_memory_tracking("train"))
     return metrics
-
-
-# ---------------------------------------------------------------- save / resume
-
-
-def _save(run: _Run, epoch_finished: bool) -> str | None:
-    trainer, strategy, state, args = run.trainer, run.strategy, run.trainer.state, run.trainer.args
-    if run.writer is None or run.last_saved == state.global_step:
-        return None  # this step's checkpoint already exists (step-end save followed by epoch-end save)
-    path = ckpt.checkpoint_dir(args.output_dir, state.global_step)
-    if state.best_global_step == state.global_step:
-        state.best_model_checkpoint = path
-    state.stateful_callbacks = {**trainer.callback_handler.export_states(),
-                                "TrainerControl": trainer.control.state()}
-    epoch, nxt = (run.epoch + 1, 0) if epoch_finished else (run.epoch, run.next_batch)
-    rng_name = "rng_state.pth" if strategy.world_size == 1 else f"rng_state_{strategy.rank}.pth"
-    payload = ckpt.CheckpointPayload(pickles={rng_name: _rng_state()},
-                                     sharded_writer=strategy.save_sharded if strategy.has_sharded_state else None,
-                                     extra_files=lambda tmp: hf.save_pretrained_files(
-                                         trainer.model, trainer.processing_class, args, tmp))
-    weights = strategy.model_state_dict()  # a collective for sharded backends: every rank calls it
-    # Each rank holds its share of the unlogged loss; the checkpoint keeps their sum (a collective).
-    pending_loss = strategy.all_reduce(run.tr_loss.detach().clone()).item()
-    if strategy.is_main:
-        payload.weights = weights
-        if not args.save_only_model:
-            opt_state = strategy.optimizer_state_dict()
-            if opt_state is not None:
-                payload.pickles["optimizer.pt"] = opt_state
-            payload.pickles["scheduler.pt"] = trainer.lr_scheduler.state_dict()
-            if strategy.scaler is not None:
-                payload.pickles["scaler.pt"] = strategy.scaler.state_dict()
-        payload.jsons = {
-            "trainer_state.json": state.to_json_string(),
-            "training_args.json": args.to_dict(),
-            DATA_STATE: {"epoch": epoch, "next_batch": nxt, "global_step": state.global_step,
-                         "samples_consumed": nxt * args.per_device_train_batch_size * strategy.world_size,
-                         "gradient_accumulation_steps": args.gradient_accumulation_steps,
-                         **run.data.state()},
-            LOOP_STATE: {"tr_loss": pending_loss, "total_loss": run.total_loss,
-                         "last_logged": run.last_logged, "nonfinite": list(run.nonfinite),
-                         "skipped_steps": run.skipped_steps,
-                         "grad_norm": None if run.grad_norm is None else float(run.grad_norm),
-                         "last_lr": run.last_lr},
-        }
-    best = state.best_model_checkpoint  # as of this save: a background rotation must not see a later one
-
-    def rotate(final: str) -> None:
-        ckpt.rotate_checkpoints(args.output_dir, args.save_total_limit, best, protect=final)
-
-    run.writer.save(state.global_step, payload, after=rotate)
-    run.last_saved = state.global_step
-    return path
-
-
-def _rng_state() -> dict:
-    np_state = np.random.get_state()
-    state = {
-        "python": random.getstate(),
-        "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
-        "cpu": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
 
 
 class _null:

@@ -13,18 +13,21 @@ from __future__ import annotations
 
 import contextlib
 import io
-import json
 import logging
 import os
 import signal
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..callbacks import TrainerCallback
 from ..callbacks.progress import ProgressFeeder, plain_logs, progress_callbacks
-from ..checkpoint import MANIFEST, checkpoint_dir, get_last_checkpoint
+from ..checkpoint import checkpoint_dir
+from .resume import restart_point
+
+if TYPE_CHECKING:
+    from .protocol import TrainerProtocol
 
 logger = logging.getLogger(__name__)
 
@@ -153,11 +156,11 @@ def train_loop_per_worker(config: dict) -> dict | None:
 
     ctx = ray.train.get_context()
     os.environ.setdefault("LOCAL_RANK", str(ctx.get_local_rank()))
-    trainer = cloudpickle.loads(config["trainer"])
+    trainer: TrainerProtocol = cloudpickle.loads(config["trainer"])
     for key, blocks in config.get("datasets", {}).items():  # ray Datasets, executed once by the driver
         setattr(trainer, key, blocks)
     set_seed(trainer.args.seed, trainer.args.full_determinism)  # as Trainer.__init__ did on the driver
-    strategy = trainer._get_strategy()  # rank and world from torch.distributed, set up by TorchTrainer
+    strategy = trainer.get_strategy()  # rank and world from torch.distributed, set up by TorchTrainer
     preemption = PreemptionCallback(strategy)
     trial = config.get("trial")  # a sweep trial's reporter (raytrain.sweep.search) reports evaluations instead
     trainer.add_callback(trial if trial is not None else RayReportCallback(strategy.rank))
@@ -170,7 +173,7 @@ def train_loop_per_worker(config: dict) -> dict | None:
     trainer.add_callback(preemption)
 
     reported = ray.train.get_checkpoint()
-    trainer._start_memory_tracking()  # as Trainer.train does in-process (skip_memory_metrics)
+    trainer.start_memory_tracking()  # as Trainer.train does in-process (skip_memory_metrics)
     _training_active.set()
     try:
         with reported.as_directory() if reported is not None else contextlib.nullcontext() as ray_path:
@@ -193,43 +196,16 @@ def train_loop_per_worker(config: dict) -> dict | None:
 
 
 def _resume_point(strategy, output_dir: str, config: dict, ray_path: str | None):
-    """Where this attempt starts. After a restart: the newer of Ray's latest registered checkpoint
-    and the newest complete one in output_dir (a save the controller had not registered yet when the
-    worker died); on the first attempt: the driver's resume_from_checkpoint. Rank 0 decides."""
-    choice = None
-    if strategy.is_main:
-        marker = os.path.join(output_dir, ".raytrain-run")
-        restarted = _read_marker(marker) == config["run"]
-        os.makedirs(output_dir, exist_ok=True)
-        with open(marker, "w") as f:
-            json.dump({"run": config["run"]}, f)
-        candidates = [("ray", ray_path)] if ray_path else []
-        local = get_last_checkpoint(output_dir) if restarted else None
-        if local:
-            candidates.append(("local", local))
-        choice = max(candidates, key=lambda c: _step(c[1])) if candidates else ("driver", None)
-        if choice[0] != "driver":
-            logger.warning("restart: resuming from %s (step %d)", choice[1], _step(choice[1]))
+    """Where this attempt starts: resume.restart_point decides on rank 0 (Ray's latest registered
+    checkpoint or output_dir's newest after a restart, else the driver's resume_from_checkpoint)."""
+    choice = restart_point(output_dir, config["run"], ray_path) if strategy.is_main else None
     kind, path = strategy.broadcast_object(choice)
-    if kind == "ray":
+    if kind == "reported":
         return ray_path  # this rank's own copy of Ray's checkpoint
     return path if kind == "local" else config.get("resume_from_checkpoint")
 
 
-def _read_marker(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return json.load(f).get("run")
-    except (OSError, ValueError):
-        return None
-
-
-def _step(path: str) -> int:
-    with open(os.path.join(path, MANIFEST)) as f:
-        return int(json.load(f)["global_step"])
-
-
-def pickle_trainer(trainer, args) -> bytes:
+def pickle_trainer(trainer: TrainerProtocol, args) -> bytes:
     """The Trainer for the workers: everything but its process-local pieces (strategy, wrapped model)."""
     import copy
 
@@ -237,7 +213,7 @@ def pickle_trainer(trainer, args) -> bytes:
 
     clone = copy.copy(trainer)
     clone.args = args
-    clone._strategy = None
+    clone.set_strategy(None)
     clone.model_wrapped = None
     try:
         return cloudpickle.dumps(clone)

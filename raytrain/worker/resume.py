@@ -1,5 +1,9 @@
-"""WORKER side: which checkpoint a train() continues from, and putting the run back exactly where it
-stood (model, optimizer, scheduler, scaler, RNG, data position, loop accumulators, callbacks).
+"""WORKER side: where a run resumes from (the one place that decides it), and putting the run back
+exactly where that checkpoint stood: verify -> read -> apply, piece by piece as run_state.py keeps them.
+
+Who asks: Trainer.train's resume_from_checkpoint (resolve), the CLI's --resume never
+(fresh_start_refusal) and its MLflow run (likely_checkpoint), a restarted Ray Train run
+(restart_point), a restarted sweep trial (choose: PBT's clone or the trial's own newest).
 
 Everything is read, and checked against the manifest, before anything is applied: a checkpoint that
 fails changes nothing. The weights are checksummed while they are read (one pass over their bytes),
@@ -8,43 +12,40 @@ the other files by verify_checkpoint before that.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-import random
 import shutil
-from typing import TYPE_CHECKING, Any
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
 from .. import checkpoint as ckpt
-from ..state import TrainerControl, TrainerState
+from . import run_state
 
 if TYPE_CHECKING:
-    from .loop import _Run
+    from .protocol import TrainerProtocol
+    from .run_state import RunState
 
 logger = logging.getLogger(__name__)
 
-DATA_STATE = "data_state.json"
-LOOP_STATE = "loop_state.json"
+RUN_MARKER = ".raytrain-run"  # in output_dir: the Ray Train run that last started there
 
 
-def resolve(trainer, resume) -> str | None:
+# ---------------------------------------------------------------- which checkpoint
+
+
+def resolve(trainer: TrainerProtocol, resume) -> str | None:
     """The checkpoint to continue from, verified; or None for a fresh start (never a silent one)."""
     args = trainer.args
     if resume is None or resume is False or resume == "never":
         existing = ckpt.sorted_checkpoints(args.output_dir)
-        if existing and trainer.strategy_is_main():
+        if existing and trainer.is_world_process_zero():
             if args.overwrite_output_dir:
                 logger.warning("overwrite_output_dir: deleting %d old checkpoint(s) in %s", len(existing),
                                args.output_dir)
                 for _, p in existing:
                     shutil.rmtree(p)
             elif resume == "never":  # the CLI's --resume never: refuse rather than move anything
-                raise FileExistsError(
-                    f"output_dir {args.output_dir} already holds {os.path.basename(existing[-1][1])}; "
-                    "use --resume auto to continue it, or --set overwrite_output_dir=true to start over "
-                    "(its checkpoints are then deleted)")
+                raise FileExistsError(fresh_start_refusal(args.output_dir, existing))
             else:
                 _archive_previous_run(args.output_dir, [p for _, p in existing])
         return None
@@ -61,6 +62,17 @@ def resolve(trainer, resume) -> str | None:
         return path
     _verify_named_checkpoint(str(resume))
     return str(resume)
+
+
+def fresh_start_refusal(output_dir: str, existing: list[tuple[int, str]] | None = None) -> str | None:
+    """Why a fresh start that moves nothing (--resume never) refuses output_dir: it holds checkpoints
+    (`existing`, else listed here); None when it holds none. overwrite_output_dir lifts it."""
+    existing = ckpt.sorted_checkpoints(output_dir) if existing is None else existing
+    if not existing:
+        return None
+    return (f"output_dir {output_dir} already holds {os.path.basename(existing[-1][1])}; "
+            "use --resume auto to continue it, or --set overwrite_output_dir=true to start over "
+            "(its checkpoints are then deleted)")
 
 
 def _verify_named_checkpoint(path: str) -> None:
@@ -94,7 +106,70 @@ def _archive_previous_run(output_dir: str, paths: list[str]) -> str:
     return archive
 
 
-def restore(run: _Run, path: str, auto: bool) -> None:
+def likely_checkpoint(output_dir: str, resume) -> str | None:
+    """The checkpoint `resume` will most likely continue (the newest with a readable trainer_state.json),
+    found without verifying checksums: for what must be known before training (the CLI's MLflow run)."""
+    if resume is None:
+        return None
+    if resume != "auto":
+        return resume
+    for _, path in reversed(ckpt.sorted_checkpoints(output_dir)):
+        if os.path.isfile(os.path.join(path, ckpt.TRAINER_STATE)):
+            return path
+    return None
+
+
+# ---------------------------------------------------------------- after a restart
+
+
+def choose(own_dir: str | None, clone: str | None = None, reported: str | None = None) -> tuple[str, str | None]:
+    """Where a restarted run continues: `clone`, another run's checkpoint handed over (PBT's exploit),
+    first; else the newer of `reported` (the scheduler's latest registered checkpoint; it wins a tie)
+    and own_dir's newest complete one (a save not yet registered when the run stopped); else
+    ("asked", None): what the caller asked for. Kinds: clone, reported, local, asked."""
+    if clone is not None:
+        return "clone", clone
+    found = [("reported", reported)] if reported else []
+    local = ckpt.get_last_checkpoint(own_dir) if own_dir is not None and os.path.isdir(own_dir) else None
+    if local:
+        found.append(("local", local))
+    if not found:
+        return "asked", None
+    return found[0] if len(found) == 1 else max(found, key=lambda c: _step(c[1]))
+
+
+def restart_point(output_dir: str, run_id: str, reported: str | None) -> tuple[str, str | None]:
+    """Where an attempt of Ray Train run `run_id` starts (rank 0 decides): after a restart, choose's
+    pick of Ray's checkpoint (`reported`) and output_dir's newest; on the first attempt, Ray's
+    checkpoint if any, else ("asked", None): the driver's resume_from_checkpoint."""
+    marker = os.path.join(output_dir, RUN_MARKER)
+    restarted = _read_marker(marker) == run_id
+    os.makedirs(output_dir, exist_ok=True)
+    with open(marker, "w") as f:
+        json.dump({"run": run_id}, f)
+    kind, path = choose(output_dir if restarted else None, reported=reported)
+    if kind != "asked":
+        logger.warning("restart: resuming from %s (step %d)", path, _step(path))
+    return kind, path
+
+
+def _read_marker(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return json.load(f).get("run")
+    except (OSError, ValueError):
+        return None
+
+
+def _step(path: str) -> int:
+    with open(os.path.join(path, ckpt.MANIFEST)) as f:
+        return int(json.load(f)["global_step"])
+
+
+# ---------------------------------------------------------------- putting the run back
+
+
+def restore(run: RunState, path: str, auto: bool) -> None:
     """_restore, whose weights are checked against the manifest as they are read. Weights that fail
     are treated as verify_checkpoint would have: skipped for the next older checkpoint (auto resume),
     used with a warning if re-saved by another tool (a named checkpoint), otherwise refused."""
@@ -116,91 +191,29 @@ def restore(run: _Run, path: str, auto: bool) -> None:
                                            "(the warnings above name each bad file)") from None
 
 
-def _restore(run: _Run, path: str, manifest: dict | None) -> None:
-    """Put the run back exactly where checkpoint `path` stood. Every file is read first (a bad one is
-    refused with a CheckpointError naming it), so nothing is changed by a checkpoint that fails."""
-    trainer, strategy = run.trainer, run.strategy
-    file = lambda name: os.path.join(path, name)  # noqa: E731
-    data_state, loop = _read_json(file(DATA_STATE)), _read_json(file(LOOP_STATE))
-    saved = _read_trainer_state(file("trainer_state.json"))
-    _check_data_compat(run, data_state, path)
-    weights = ckpt.load_weights(path, manifest)
-    # optimizer.pt, a dcp/ or a deepspeed/ directory, whichever backend wrote it; the strategy re-shards
-    # what it can read and refuses, naming the file, what it cannot (CheckpointError).
-    optim = strategy.read_optimizer_state(path)
-    sched = ckpt.load_pickle(file("scheduler.pt"))
-    scaler = None
-    if strategy.scaler is not None:
-        if os.path.exists(file("scaler.pt")):
-            scaler = ckpt.load_pickle(file("scaler.pt"))
-        else:
-            logger.warning("%s: no scaler.pt (the run did not use fp16); the fp16 loss scale starts fresh", path)
-    rng_file = "rng_state.pth" if strategy.world_size == 1 else f"rng_state_{strategy.rank}.pth"
-    rng = ckpt.load_pickle(file(rng_file)) if os.path.exists(file(rng_file)) else None
-
-    weights_file = file(ckpt.WEIGHTS if os.path.exists(file(ckpt.WEIGHTS)) else ckpt.WEIGHTS_INDEX)
-    _apply(weights_file, strategy.load_model_state_dict, weights)
-    _apply(path, strategy.load_optimizer_state, optim)
-    _apply(file("scheduler.pt"), trainer.lr_scheduler.load_state_dict, sched)
-    if scaler is not None:
-        _apply(file("scaler.pt"), strategy.scaler.load_state_dict, scaler)
-    fresh = trainer.state
-    if saved.max_steps != fresh.max_steps:
+def _restore(run: RunState, path: str, manifest: dict | None) -> None:
+    """Put the run back exactly where checkpoint `path` stood. The data order is checked before any
+    weights are read, and every file is read (a bad one is refused with a CheckpointError naming it)
+    before anything is applied, so nothing is changed by a checkpoint that fails."""
+    strategy = run.strategy
+    saved = run_state.read_states(path)
+    _check_data_compat(run, saved.data, path)
+    run_state.read_files(run, saved, manifest)
+    if strategy.scaler is not None and saved.scaler is None:
+        logger.warning("%s: no scaler.pt (the run did not use fp16); the fp16 loss scale starts fresh", path)
+    before, now = saved.trainer_state.max_steps, run.trainer.state.max_steps
+    run_state.apply(run, saved)
+    if before != now:
         logger.warning("%s: max_steps %d -> %d: the learning-rate schedule continues as one of %d steps",
-                       path, saved.max_steps, fresh.max_steps, fresh.max_steps)
-    for name in ("max_steps", "logging_steps", "eval_steps", "save_steps", "train_batch_size",
-                 "num_train_epochs", "is_local_process_zero", "is_world_process_zero",
-                 "is_hyper_param_search", "trial_name", "trial_params"):
-        setattr(saved, name, getattr(fresh, name))
-    trainer.state = saved
-    _restore_callbacks(trainer, saved.stateful_callbacks)
-    # The saved sum goes back on rank 0 only: the next log sums over ranks again, whatever their number.
-    run.tr_loss = torch.tensor(loop["tr_loss"] if strategy.is_main else 0.0, dtype=run.tr_loss.dtype,
-                               device=strategy.device)
-    run.total_loss, run.last_logged = loop["total_loss"], loop["last_logged"]
-    run.nonfinite, run.skipped_steps = list(loop["nonfinite"]), loop["skipped_steps"]
-    if loop.get("grad_norm") is not None:  # logged again by an epoch-end log right after resuming
-        run.grad_norm = torch.tensor(loop["grad_norm"], device=strategy.device)
-    run.last_lr = loop.get("last_lr", run.last_lr)
-    run.epoch, run.next_batch = data_state["epoch"], data_state["next_batch"]
-    run.last_saved = saved.global_step
-    if rng is not None:
-        _set_rng_state(rng)
-    else:
-        logger.warning("%s: no %s (the run had another world size); RNG streams start fresh", path, rng_file)
-    logger.info("resumed from %s at step %d (epoch %d, batch %d)", path, saved.global_step, run.epoch, run.next_batch)
+                       path, before, now, now)
+    if saved.rng is None:
+        logger.warning("%s: no %s (the run had another world size); RNG streams start fresh", path,
+                       run_state.rng_file(strategy))
+    logger.info("resumed from %s at step %d (epoch %d, batch %d)", path, saved.trainer_state.global_step, run.epoch,
+                run.next_batch)
 
 
-def _restore_callbacks(trainer, stateful: dict) -> None:
-    """Callback attributes (e.g. early stopping's patience counter) always come back, so a resumed
-    run decides as the uninterrupted one would; with restore_callback_states_from_checkpoint, as in
-    HF, the callbacks are also rebuilt with the checkpoint's constructor arguments, TrainerControl too."""
-    stateful = dict(stateful)
-    control = stateful.pop("TrainerControl", None)
-    if trainer.args.restore_callback_states_from_checkpoint:
-        trainer.callback_handler.rebuild_from_states(stateful)
-        if control is not None:
-            trainer.control = TrainerControl(**control.get("args", {}))
-    else:
-        trainer.callback_handler.restore_states(stateful)
-
-
-def _apply(path: str, load: Any, state: Any) -> None:
-    """load(state), with a mismatch (another model or optimizer) reported against the file."""
-    try:
-        load(state)
-    except (RuntimeError, ValueError, KeyError, TypeError) as e:
-        raise ckpt.CheckpointError(f"{path}: does not fit this run ({str(e).strip().splitlines()[0]})") from e
-
-
-def _read_trainer_state(path: str) -> TrainerState:
-    try:
-        return TrainerState.load_from_json(path)
-    except (OSError, ValueError, TypeError) as e:
-        raise ckpt.CheckpointError(f"{path}: unreadable ({e})") from e
-
-
-def _check_data_compat(run: _Run, saved: dict, path: str) -> None:
+def _check_data_compat(run: RunState, saved: dict, path: str) -> None:
     """What cannot be mapped (another dataset or order) is refused; a changed batch size, accumulation
     or world size continues at the same sample position of the same order, with a warning (as HF)."""
     args, data = run.trainer.args, run.data
@@ -235,27 +248,4 @@ def _check_data_compat(run: _Run, saved: dict, path: str) -> None:
         logger.warning("%s: resuming with %s: epoch %d continues at sample %d of the same order%s", path,
                        "; ".join(mapped), saved["epoch"], consumed,
                        f" ({again} samples of the last partial global batch are seen again)" if again else "")
-
-
-def _read_json(path: str) -> dict:
-    import json
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (OSError, json.JSONDecodeError) as e:
-        raise ckpt.CheckpointError(f"{path}: unreadable ({e})") from e
-
-
-def _set_rng_state(state: dict) -> None:
-    random.setstate(_tuplify(state["python"]))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
-    torch.set_rng_state(state["cpu"])
-    if torch.cuda.is_available() and "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-def _tuplify(x):
-    return tuple(_tuplify(v) for v in x) if isinstance(x, (list, tuple)) else x
-
 

@@ -25,8 +25,12 @@ import os
 import signal
 import sys
 import threading
+from typing import TYPE_CHECKING
 
 from ..callbacks.base import TrainerCallback
+
+if TYPE_CHECKING:
+    from .protocol import TrainerProtocol
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -123,7 +127,7 @@ class StopOnSignal(TrainerCallback):
 
 
 @contextlib.contextmanager
-def python_interrupts(trainer):
+def python_interrupts(trainer: TrainerProtocol):
     """Ctrl-C during an in-process Trainer.train() called from Python: save at the next step boundary
     (save_strategy permitting), then raise KeyboardInterrupt saying what was saved and how to continue;
     a second Ctrl-C, or one outside the loop, raises KeyboardInterrupt at once. Only in the main thread
@@ -157,7 +161,7 @@ def python_interrupts(trainer):
         raise KeyboardInterrupt(message)
 
 
-def _stopped_message(trainer, stop: StopRequest) -> str:
+def _stopped_message(trainer: TrainerProtocol, stop: StopRequest) -> str:
     from ..checkpoint import checkpoint_dir
 
     args, state = trainer.args, trainer.state

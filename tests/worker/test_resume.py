@@ -236,18 +236,18 @@ def test_every_loop_field_is_saved_or_deliberately_not(tmp_path):
     import dataclasses
     import json
 
-    from raytrain.worker.loop import _Run
+    from raytrain.worker.run_state import RunState
     rebuilt = {"trainer", "strategy", "data", "steps_per_epoch", "num_batches", "exhausted", "writer",
                "last_saved", "epoch", "next_batch"}  # the last two travel in data_state.json
     make_trainer(tmp_path, max_steps=1).train()
     saved = json.load(open(tmp_path / "checkpoint-1" / "loop_state.json"))
-    assert {f.name for f in dataclasses.fields(_Run)} - rebuilt == set(saved)
+    assert {f.name for f in dataclasses.fields(RunState)} - rebuilt == set(saved)
 
 
 def _with_cpu_scaler(trainer: Trainer) -> Trainer:
     """fp16 needs CUDA, but torch's GradScaler also runs on CPU: give the strategy one, so that the
     scaler.pt path (saved, restored) is exercised here. Growth every 2 steps makes its state move."""
-    strategy = trainer._get_strategy()
+    strategy = trainer.get_strategy()
     strategy.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8, growth_interval=2)
     return trainer
 
@@ -259,7 +259,7 @@ def test_loss_scaler_state_is_saved_and_restored(tmp_path):
     assert os.path.exists(tmp_path / "run" / "checkpoint-5" / "scaler.pt")
     resumed = _with_cpu_scaler(make_trainer(tmp_path / "run", init_seed=9, max_steps=8))
     resumed.train(resume_from_checkpoint=True)
-    assert resumed._get_strategy().scaler.state_dict() == ref._get_strategy().scaler.state_dict()
-    assert ref._get_strategy().scaler.get_scale() == 2.0**12  # grew 4 times: the state did move
+    assert resumed.get_strategy().scaler.state_dict() == ref.get_strategy().scaler.state_dict()
+    assert ref.get_strategy().scaler.get_scale() == 2.0**12  # grew 4 times: the state did move
     assert_same_weights(ref, resumed)
     assert logged(resumed) == logged(ref)

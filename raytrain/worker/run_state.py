@@ -1,0 +1,288 @@
+"""WORKER side: one rank's run state, and how each piece of it is saved into a checkpoint and read
+back, side by side (as torchtitan's checkpointer and Composer's State keep them).
+
+A checkpoint, piece by piece (file: what it holds; who writes it):
+    model.safetensors[.index.json]       the weights (rank 0, from the strategy)
+    optimizer.pt | dcp/ | deepspeed/     the optimizer (rank 0, or every rank for sharded backends)
+    scheduler.pt, scaler.pt              the learning-rate schedule, fp16's loss scale (rank 0)
+    trainer_state.json                   TrainerState, the callbacks' states and TrainerControl (rank 0)
+    data_state.json                      the data position and the order's identity (rank 0)
+    loop_state.json                      the loop's accumulators: unlogged loss, grad norm ... (rank 0)
+    rng_state.pth | rng_state_{rank}.pth Python, NumPy, torch CPU and CUDA generators (every rank)
+    training_args.json, HF's files       for people and from_pretrained; never read back
+Saving builds them all at one step boundary; restoring reads them all (read_states, read_files)
+before it changes anything (apply). Which checkpoint, and what is checked, is resume.py's business.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from .. import checkpoint as ckpt
+from .. import hf
+from ..state import TrainerControl, TrainerState
+
+if TYPE_CHECKING:
+    from .protocol import TrainerProtocol
+
+DATA_STATE = "data_state.json"
+LOOP_STATE = "loop_state.json"
+SCHEDULER = "scheduler.pt"
+SCALER = "scaler.pt"
+
+
+@dataclass
+class RunState:
+    """What one rank's training run holds; every piece that must survive a restart is saved."""
+
+    trainer: TrainerProtocol
+    strategy: Any
+    data: Any                             # a source: iter_batches(epoch, start), state(); len() unless a stream
+    steps_per_epoch: int
+    num_batches: int | None = None        # batches per epoch; None for a stream (ends when it does)
+    exhausted: bool = False               # the current epoch's batches have all been taken
+    writer: ckpt.CheckpointWriter | None = None
+    epoch: int = 0
+    next_batch: int = 0
+    tr_loss: torch.Tensor | None = None  # sum of step losses since the last log, on device
+    total_loss: float = 0.0               # sum of step losses of logged intervals, for train_loss
+    last_logged: int = 0
+    last_saved: int = -1
+    grad_norm: torch.Tensor | None = None
+    last_lr: float = 0.0
+    nonfinite: list[int] = field(default_factory=list)
+    skipped_steps: int = 0
+
+
+# ---------------------------------------------------------------- trainer_state.json
+
+
+def trainer_state(run: RunState) -> TrainerState:
+    """TrainerState with every callback's state and TrainerControl in it (HF's stateful_callbacks)."""
+    trainer = run.trainer
+    trainer.state.stateful_callbacks = {**trainer.callback_handler.export_states(),
+                                        "TrainerControl": trainer.control.state()}
+    return trainer.state
+
+
+def load_trainer_state(run: RunState, saved: TrainerState) -> None:
+    """The saved progress, with this run's plan (max_steps, intervals, trial ...) kept; callbacks'
+    attributes always come back, so a resumed run decides as the uninterrupted one would."""
+    trainer, fresh = run.trainer, run.trainer.state
+    for name in ("max_steps", "logging_steps", "eval_steps", "save_steps", "train_batch_size",
+                 "num_train_epochs", "is_local_process_zero", "is_world_process_zero",
+                 "is_hyper_param_search", "trial_name", "trial_params"):
+        setattr(saved, name, getattr(fresh, name))
+    trainer.state = saved
+    stateful = dict(saved.stateful_callbacks)
+    control = stateful.pop("TrainerControl", None)
+    if trainer.args.restore_callback_states_from_checkpoint:  # as HF: rebuilt with the saved arguments
+        trainer.callback_handler.rebuild_from_states(stateful)
+        if control is not None:
+            trainer.control = TrainerControl(**control.get("args", {}))
+    else:
+        trainer.callback_handler.restore_states(stateful)
+    run.last_saved = saved.global_step
+
+
+def read_trainer_state(path: str) -> TrainerState:
+    try:
+        return TrainerState.load_from_json(path)
+    except (OSError, ValueError, TypeError) as e:
+        raise ckpt.CheckpointError(f"{path}: unreadable ({e})") from e
+
+
+# ---------------------------------------------------------------- data_state.json
+
+
+def data_state(run: RunState, epoch_finished: bool) -> dict:
+    """Where the next batch comes from, and the source's identity (resume.py checks it)."""
+    args, strategy = run.trainer.args, run.strategy
+    epoch, nxt = (run.epoch + 1, 0) if epoch_finished else (run.epoch, run.next_batch)
+    return {"epoch": epoch, "next_batch": nxt, "global_step": run.trainer.state.global_step,
+            "samples_consumed": nxt * args.per_device_train_batch_size * strategy.world_size,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps,
+            **run.data.state()}
+
+
+def load_data_state(run: RunState, saved: dict) -> None:
+    run.epoch, run.next_batch = saved["epoch"], saved["next_batch"]
+
+
+# ---------------------------------------------------------------- loop_state.json
+
+
+def loop_state(run: RunState, pending_loss: float) -> dict:
+    """The loop's accumulators; `pending_loss`: the unlogged loss summed over ranks."""
+    return {"tr_loss": pending_loss, "total_loss": run.total_loss,
+            "last_logged": run.last_logged, "nonfinite": list(run.nonfinite),
+            "skipped_steps": run.skipped_steps,
+            "grad_norm": None if run.grad_norm is None else float(run.grad_norm),
+            "last_lr": run.last_lr}
+
+
+def load_loop_state(run: RunState, saved: dict) -> None:
+    strategy = run.strategy
+    # The saved sum goes back on rank 0 only: the next log sums over ranks again, whatever their number.
+    run.tr_loss = torch.tensor(saved["tr_loss"] if strategy.is_main else 0.0, dtype=run.tr_loss.dtype,
+                               device=strategy.device)
+    run.total_loss, run.last_logged = saved["total_loss"], saved["last_logged"]
+    run.nonfinite, run.skipped_steps = list(saved["nonfinite"]), saved["skipped_steps"]
+    if saved.get("grad_norm") is not None:  # logged again by an epoch-end log right after resuming
+        run.grad_norm = torch.tensor(saved["grad_norm"], device=strategy.device)
+    run.last_lr = saved.get("last_lr", run.last_lr)
+
+
+# ---------------------------------------------------------------- rng_state[_RANK].pth
+
+
+def rng_file(strategy) -> str:
+    return "rng_state.pth" if strategy.world_size == 1 else f"rng_state_{strategy.rank}.pth"
+
+
+def rng_state() -> dict:
+    np_state = np.random.get_state()
+    state = {
+        "python": random.getstate(),
+        "numpy": (np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]),
+        "cpu": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def load_rng_state(state: dict) -> None:
+    random.setstate(_tuplify(state["python"]))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(state["cpu"])
+    if torch.cuda.is_available() and "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _tuplify(x):
+    return tuple(_tuplify(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+# ---------------------------------------------------------------- the checkpoint: every piece
+
+
+def save(run: RunState, epoch_finished: bool) -> str | None:
+    """Write this step's checkpoint (in the background with save_async); its path, or None when this
+    step's checkpoint exists already (a step-end save followed by an epoch-end save)."""
+    trainer, strategy, state, args = run.trainer, run.strategy, run.trainer.state, run.trainer.args
+    if run.writer is None or run.last_saved == state.global_step:
+        return None
+    path = ckpt.checkpoint_dir(args.output_dir, state.global_step)
+    if state.best_global_step == state.global_step:
+        state.best_model_checkpoint = path
+    saved_state = trainer_state(run)
+    payload = ckpt.CheckpointPayload(pickles={rng_file(strategy): rng_state()},
+                                     sharded_writer=strategy.save_sharded if strategy.has_sharded_state else None,
+                                     extra_files=lambda tmp: hf.save_pretrained_files(
+                                         trainer.model, trainer.processing_class, args, tmp))
+    weights = strategy.model_state_dict()  # a collective for sharded backends: every rank calls it
+    # Each rank holds its share of the unlogged loss; the checkpoint keeps their sum (a collective).
+    pending_loss = strategy.all_reduce(run.tr_loss.detach().clone()).item()
+    if strategy.is_main:
+        payload.weights = weights
+        if not args.save_only_model:
+            opt_state = strategy.optimizer_state_dict()
+            if opt_state is not None:
+                payload.pickles["optimizer.pt"] = opt_state
+            payload.pickles[SCHEDULER] = trainer.lr_scheduler.state_dict()
+            if strategy.scaler is not None:
+                payload.pickles[SCALER] = strategy.scaler.state_dict()
+        payload.jsons = {
+            ckpt.TRAINER_STATE: saved_state.to_json_string(),
+            "training_args.json": args.to_dict(),
+            DATA_STATE: data_state(run, epoch_finished),
+            LOOP_STATE: loop_state(run, pending_loss),
+        }
+    best = state.best_model_checkpoint  # as of this save: a background rotation must not see a later one
+
+    def rotate(final: str) -> None:
+        ckpt.rotate_checkpoints(args.output_dir, args.save_total_limit, best, protect=final)
+
+    run.writer.save(state.global_step, payload, after=rotate)
+    run.last_saved = state.global_step
+    return path
+
+
+@dataclass
+class SavedState:
+    """One checkpoint's pieces for this rank, read (and checked as read), none applied yet."""
+
+    path: str
+    trainer_state: TrainerState
+    data: dict
+    loop: dict
+    weights: Any = None
+    optimizer: Any = None
+    scheduler: Any = None
+    scaler: Any = None                    # None: not saved (the run did not use fp16) or not needed
+    rng: Any = None                       # None: no file for this rank (the run had another world size)
+
+    def file(self, name: str) -> str:
+        return os.path.join(self.path, name)
+
+
+def read_states(path: str) -> SavedState:
+    """The small JSON pieces first: the data check needs them before any weights are read."""
+    file = lambda name: os.path.join(path, name)  # noqa: E731
+    data, loop = _read_json(file(DATA_STATE)), _read_json(file(LOOP_STATE))
+    return SavedState(path, read_trainer_state(file(ckpt.TRAINER_STATE)), data, loop)
+
+
+def read_files(run: RunState, saved: SavedState, manifest: dict | None) -> None:
+    """The weights (checked against `manifest` as they are read), optimizer, scheduler, scaler, RNG."""
+    strategy, file = run.strategy, saved.file
+    saved.weights = ckpt.load_weights(saved.path, manifest)
+    # optimizer.pt, a dcp/ or a deepspeed/ directory, whichever backend wrote it; the strategy re-shards
+    # what it can read and refuses, naming the file, what it cannot (CheckpointError).
+    saved.optimizer = strategy.read_optimizer_state(saved.path)
+    saved.scheduler = ckpt.load_pickle(file(SCHEDULER))
+    if strategy.scaler is not None and os.path.exists(file(SCALER)):
+        saved.scaler = ckpt.load_pickle(file(SCALER))
+    rng = file(rng_file(strategy))
+    saved.rng = ckpt.load_pickle(rng) if os.path.exists(rng) else None
+
+
+def apply(run: RunState, saved: SavedState) -> None:
+    """Put every piece back; a model or optimizer that does not fit is reported against its file."""
+    trainer, strategy, file = run.trainer, run.strategy, saved.file
+    weights_file = file(ckpt.WEIGHTS if os.path.exists(file(ckpt.WEIGHTS)) else ckpt.WEIGHTS_INDEX)
+    _apply(weights_file, strategy.load_model_state_dict, saved.weights)
+    _apply(saved.path, strategy.load_optimizer_state, saved.optimizer)
+    _apply(file(SCHEDULER), trainer.lr_scheduler.load_state_dict, saved.scheduler)
+    if saved.scaler is not None:
+        _apply(file(SCALER), strategy.scaler.load_state_dict, saved.scaler)
+    load_trainer_state(run, saved.trainer_state)
+    load_loop_state(run, saved.loop)
+    load_data_state(run, saved.data)
+    if saved.rng is not None:
+        load_rng_state(saved.rng)
+
+
+def _apply(path: str, load: Any, state: Any) -> None:
+    """load(state), with a mismatch (another model or optimizer) reported against the file."""
+    try:
+        load(state)
+    except (RuntimeError, ValueError, KeyError, TypeError) as e:
+        raise ckpt.CheckpointError(f"{path}: does not fit this run ({str(e).strip().splitlines()[0]})") from e
+
+
+def _read_json(path: str) -> dict:
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ckpt.CheckpointError(f"{path}: unreadable ({e})") from e
