@@ -1,4 +1,4 @@
-"""The user's facade, with HF Trainer's names: runs loop.py in-process, or hands it to launch.py."""
+"""The user's facade, with HF Trainer's names: runs worker/loop.py in-process, or hands itself to driver/launch.py."""
 
 from __future__ import annotations
 

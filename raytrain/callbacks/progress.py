@@ -224,7 +224,7 @@ def plain_logs(logs: dict) -> dict:
 
 
 class ProgressFeed:
-    """The mailbox between rank 0 and the driver (a Ray actor, launch.py starts it): rank 0 pushes
+    """The mailbox between rank 0 and the driver (a Ray actor, driver/progress.py starts it): rank 0 pushes
     lists of events, the driver drains them in order."""
 
     def __init__(self):

@@ -3,7 +3,7 @@
 Ray Data's streaming executor runs the dataset's plan (reads, `map_batches` as Ray tasks or actors on
 the cluster's CPUs, with the concurrency and resources given to map_batches) with `preserve_order`, so
 its output blocks arrive in a fixed order. A thread of the process that owns the dataset (the driver
-under launch.py, or the training process itself) keeps that executor running and *publishes* each
+under driver/launch.py, or the training process itself) keeps that executor running and *publishes* each
 block's reference and row count as it arrives (`_Board`: an object in-process, a CPU-less actor for Ray
 Train workers). The blocks stay in Ray's object store, one copy for all workers, executed once: later
 epochs reuse them. Ranks read their windows (stream.py) as soon as the blocks they need exist.
@@ -29,7 +29,7 @@ Beside training, what cannot be known before the data exists, and how raytrain d
   world_size), so every rank starts as soon as the first blocks exist and all advance together. The
   layout depends only on row counts, so the order depends only on (seed, epoch, rank, world size),
   whichever way the dataset was executed.
-- CPUs. Executing beside training needs CPUs the training workers do not hold: launch.py streams beside
+- CPUs. Executing beside training needs CPUs the training workers do not hold: driver/launch.py streams beside
   only when the cluster's CPUs cover the training workers (ScalingConfig.total_resources) plus what the
   largest stage asks for (its num_cpus, times an actor pool's minimum size); otherwise it executes the
   dataset before the workers start (they then hold the CPUs), with one info line saying what to give.

@@ -47,7 +47,7 @@ class Preempted(RuntimeError):
 
 def install_sigterm_handler() -> None:
     """Turn SIGTERM into a save-and-stop request while a training loop runs. Signal handlers can only
-    be set from the main thread, so launch.py's backend runs this through the worker group's execute."""
+    be set from the main thread, so driver/torch_trainer.py's backend runs this through the worker group's execute."""
     previous = signal.getsignal(signal.SIGTERM)
 
     def on_sigterm(signum, frame):

@@ -233,7 +233,7 @@ def _check_data_compat(run: RunState, saved: dict, path: str) -> None:
            "gradient_accumulation_steps": args.gradient_accumulation_steps}
     mapped = [f"{k} {saved.get(k)} -> {v}" for k, v in now.items() if k in saved and saved[k] != v]
     resume_at = getattr(data, "resume_at", None)
-    if resume_at is not None:  # a stream lays out exactly the rows the saved epoch had left (data_stream.py)
+    if resume_at is not None:  # a stream lays out exactly the rows the saved epoch had left (data/stream.py)
         saved["next_batch"] = resume_at(saved)
         if mapped:
             logger.warning("%s: resuming with %s: the rest of epoch %d (the samples the saved run had not read, "
