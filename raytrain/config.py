@@ -159,7 +159,7 @@ def apply_overrides(d: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key.strip():
-            raise ConfigError(f"--set expects key=value, got {item!r}")
+            raise ConfigError(f"--set expects KEY=VALUE, got {item!r} (write --set {key.strip() or 'KEY'}=VALUE)")
         *parents, leaf = key.strip().split(".")
         node = out
         for i, part in enumerate(parents):

@@ -32,7 +32,19 @@ _ARGV: list[str] | None = None  # main()'s argv when called from Python (else sy
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse's own errors: one line, exit 2
-        self.exit(EXIT_CONFIG, f"error: {message}\n")
+        self.exit(EXIT_CONFIG, f"error: {message}{_set_hint(self.argv)}\n")
+
+    def parse_args(self, args=None, namespace=None):
+        self.argv = list(sys.argv[1:] if args is None else args)
+        return super().parse_args(args, namespace)
+
+
+def _set_hint(argv: list[str]) -> str:
+    """`--set key value` (a space for the '='): say how to write it."""
+    for flag, key, value in zip(argv, argv[1:], argv[2:]):
+        if flag == "--set" and "=" not in key and not value.startswith("-"):
+            return f" (--set takes KEY=VALUE: write --set {key}={value})"
+    return ""
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -168,7 +168,7 @@ def test_apply_overrides():
     assert out == {"learning_rate": 3e-4, "model": {"hidden_size": 128}, "scaling": {"num_workers": 2},
                    "run_name": "abc", "report_to": ["mlflow"], "max_grad_norm": None}
     assert isinstance(out["learning_rate"], float) and d["model"] is None
-    with pytest.raises(ConfigError, match=r"^--set expects key=value, got 'foo'$"):
+    with pytest.raises(ConfigError, match=r"^--set expects KEY=VALUE, got 'foo' \(write --set foo=VALUE\)$"):
         apply_overrides({}, ["foo"])
     with pytest.raises(ConfigError, match="'learning_rate' is not a section"):
         apply_overrides(d, ["learning_rate.x=1"])

@@ -370,3 +370,12 @@ def test_truncated_checkpoint_is_one_line_naming_the_file(digits_run, tmp_path, 
     assert _one_error(err).startswith(
         f"error: {bad}/model.safetensors: size 100 bytes, the manifest says {size} (truncated?) (traceback in ")
     assert "CheckpointError" in open(tmp_path / "o" / "raytrain.log").read()
+
+
+def test_set_with_a_space_for_the_equals_sign_says_how_to_write_it(tmp_path, capsys):
+    code, _, err = run_main(capsys, *DIGITS, "--set", f"output_dir={tmp_path / 'o'}", "--set", "learning_rate", "1e-3")
+    assert code == 2
+    assert err == ("error: unrecognized arguments: 1e-3 (--set takes KEY=VALUE: write --set learning_rate=1e-3)\n")
+    code, _, err = run_main(capsys, *DIGITS, "--set", f"output_dir={tmp_path / 'o'}", "--set", "learning_rate")
+    assert code == 2 and err == "error: --set expects KEY=VALUE, got 'learning_rate' (write --set learning_rate=VALUE)\n"
+    assert not os.path.exists(tmp_path / "o")  # a configuration error before any work writes nothing
