@@ -325,6 +325,11 @@ def _train(ns, session: _Session, args: TrainingArguments, job: dict, resume, st
     if stop.stopped_at is not None:
         run.end("KILLED")
         return _stopped(trainer, stop)
+    if trainer.state.global_step == _resumed_step(args.output_dir, resume):
+        print(f"already complete at step {trainer.state.global_step} (max_steps {trainer.state.max_steps}): "
+              f"nothing left to train; raise max_steps (--set max_steps=N) to train on, or start over with "
+              f"--resume never --set overwrite_output_dir=true (its checkpoints are then deleted)",
+              file=sys.stderr, flush=True)
     session.phase = "after training (in the final evaluation and save; the last checkpoint is complete)"
     try:
         summary = _finish(trainer, out, ns.report, run)
@@ -334,6 +339,17 @@ def _train(ns, session: _Session, args: TrainingArguments, job: dict, resume, st
     print("summary: " + json.dumps(summary, default=str))
     run.print_ui_line()
     return 0
+
+
+def _resumed_step(output_dir: str, resume) -> int | None:
+    """The step of the checkpoint this run continued from (None for a fresh start)."""
+    from .state import TrainerState
+    from .worker.resume import likely_checkpoint
+
+    path = likely_checkpoint(output_dir, resume) if os.path.isdir(output_dir) else None
+    if path is None or not os.path.isfile(os.path.join(path, "trainer_state.json")):
+        return None
+    return TrainerState.load_from_json(os.path.join(path, "trainer_state.json")).global_step
 
 
 def _finish(trainer, out, report: bool, run: _TrackedRun) -> dict:

@@ -238,6 +238,9 @@ def test_resume_auto_on_a_finished_run_does_no_more_steps(digits_run, reruns):
     assert f"resumed from {out}/checkpoint-{STEPS} at step {STEPS}" in proc.stderr
     assert " loss=" not in proc.stderr  # no training step logged
     assert f"| resuming at step {STEPS}" in proc.stderr
+    assert f"already complete at step {STEPS} (max_steps {STEPS}): nothing left to train; raise max_steps " \
+           "(--set max_steps=N) to train on, or start over with --resume never --set overwrite_output_dir=true" \
+           in proc.stderr and "already complete" not in first.stderr
     assert _checkpoint_mtimes(out) == before  # no checkpoint written or rotated
 
 
