@@ -313,6 +313,7 @@ def _train(ns, session: _Session, args: TrainingArguments, job: dict, resume, st
     trainer = Trainer(args=args, **job)
     run = _TrackedRun.open(trainer, resume)
     trainer.add_callback(StopOnSignal(stop))
+    resumed_at = _resumed_step(args.output_dir, resume)  # before this run writes checkpoints of its own
     try:
         # In Ray workers, a signal makes them save and stop (ray_train_signals); here, StopOnSignal.
         with ray_train_signals(stop) if args.should_use_distributed else contextlib.nullcontext():
@@ -325,7 +326,7 @@ def _train(ns, session: _Session, args: TrainingArguments, job: dict, resume, st
     if stop.stopped_at is not None:
         run.end("KILLED")
         return _stopped(trainer, stop)
-    if trainer.state.global_step == _resumed_step(args.output_dir, resume):
+    if trainer.state.global_step == resumed_at:
         print(f"already complete at step {trainer.state.global_step} (max_steps {trainer.state.max_steps}): "
               f"nothing left to train; raise max_steps (--set max_steps=N) to train on, or start over with "
               f"--resume never --set overwrite_output_dir=true (its checkpoints are then deleted)",
