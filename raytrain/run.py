@@ -475,8 +475,9 @@ def run_search_cli(args: TrainingArguments, job: dict, path: str, resume: Any = 
                                  show_trial_logs=bool(spec.get("show_trial_logs", False)),
                                  storage_path=spec.get("storage_path"),
                                  resume="auto" if resume == "auto" else False)
-    for b in best if isinstance(best, list) else [best]:
-        print(f"best trial: objective={b.objective} hyperparameters={b.hyperparameters} checkpoint={b.checkpoint}")
+    for b in best if isinstance(best, list) else []:  # the search printed the best of one objective
+        print(f"Pareto trial {b.run_id}: objective={b.objective} hyperparameters={b.hyperparameters} "
+              f"checkpoint={b.checkpoint}")
     return 0
 
 

@@ -325,7 +325,8 @@ def test_cli_search_resumes_by_name(ray_cluster, tmp_path):
            "--set", f"output_dir={tmp_path / 'out'}", "--set", "num_train_epochs=2"]
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("best trial:"))
+    [line] = [ln for ln in proc.stdout.splitlines() if "best trial" in ln]  # printed once
+    assert line.startswith("[sweep] best trial ")
     assert "learning_rate" in line and float(line.split("objective=")[1].split()[0]) > 0.8
     table = pd.read_csv(tmp_path / "out" / "sweeps" / "space" / "trials.csv")
     assert len(table) == 2
