@@ -109,7 +109,9 @@ class ProgressCallback(TrainerCallback):
             self.training_bar.set_postfix(loss=f"{logs['loss']:.4g}", lr=f"{logs.get('learning_rate', 0):.3g}",
                                           refresh=False)
         shown = {k: v for k, v in logs.items() if not k.endswith(_QUIET) or k == "train_runtime"}
-        line = f"step {state.global_step}/{state.max_steps} {_fmt(shown)}{self._eta(state)}"
+        # A stopping run (a signal, early stopping) has no time left to estimate.
+        eta = "" if control.should_training_stop or "train_runtime" in logs else self._eta(state)
+        line = f"step {state.global_step}/{state.max_steps} {_fmt(shown)}{eta}"
         if self.training_bar is not None:
             self.training_bar.write(line, file=self.stream)
         else:

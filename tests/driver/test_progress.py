@@ -37,6 +37,23 @@ def test_non_tty_prints_the_run_line_and_one_line_per_log(tmp_path):
     assert "\r" not in out
 
 
+def test_a_run_that_stops_early_prints_no_eta_on_its_last_lines(tmp_path):
+    from raytrain import TrainerCallback
+
+    class StopAt4(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step == 4
+
+    args = args_for(tmp_path, max_steps=8, logging_steps=2, per_device_train_batch_size=4, save_strategy="no")
+    stream = io.StringIO()
+    trainer = Trainer(TinyClassifier(), args, train_dataset=columns(32), callbacks=[StopAt4()])
+    trainer.add_callback(ProgressCallback(stream))
+    trainer.train()
+    lines = stream.getvalue().splitlines()[1:]
+    assert [ln.split(" ")[1] for ln in lines] == ["2/8", "4/8", "4/8"]  # loss, loss (stopping), train end
+    assert "eta=" in lines[0] and not any("eta=" in ln for ln in lines[1:])
+
+
 def test_terminal_shows_a_bar_with_loss_and_learning_rate_and_an_eval_bar(tmp_path):
     out = _train(tmp_path, _Terminal())
     assert "8/8" in out and "loss=" in out and "lr=" in out  # the bar's postfix
