@@ -189,6 +189,8 @@ class _Session:
         with open(self.log_path, "a") as f:  # the command heads each invocation's part of the log
             f.write(f"\n=== {continue_command(keep_resume=True)}\n")
         logging.getLogger().addHandler(self.handler)
+        logger.info("started: output_dir %s, checkpoints in %s/checkpoint-N (pid %d)", os.path.abspath(output_dir),
+                    os.path.abspath(output_dir), os.getpid())
 
     def close(self) -> None:
         if self.handler is not None:
@@ -208,6 +210,8 @@ class _Session:
 
             with open(self.log_path, "a") as f:
                 f.write("".join(traceback.format_exception(error)))
+                first = (str(error).strip().splitlines() or [""])[0]
+                f.write(f"=== ended: failed ({type(error).__name__}: {first})\n")
         if isinstance(error, (Interrupted, KeyboardInterrupt)):
             signum = getattr(error, "signum", signal.SIGINT)
             print(f"{signal.Signals(signum).name}: interrupted {self.phase}; nothing new was saved; "
@@ -339,6 +343,8 @@ def _train(ns, session: _Session, args: TrainingArguments, job: dict, resume, st
         raise
     print("summary: " + json.dumps(summary, default=str))
     run.print_ui_line()
+    logger.info("ended: finished at step %d; checkpoints in %s; final model %s", trainer.state.global_step,
+                os.path.abspath(args.output_dir), summary.get("model"))
     return 0
 
 
@@ -388,6 +394,7 @@ def _stopped(trainer, stop) -> int:
         saved = f"saved {checkpoint_dir(args.output_dir, step)}"
     print(f"{stop.name}: stopped at step {step}/{trainer.state.max_steps}; {saved}; "
           f"continue with: {continue_command()}", file=sys.stderr, flush=True)
+    logger.info("ended: stopped by %s at step %d; %s", stop.name, step, saved)
     return stop.exit_code
 
 

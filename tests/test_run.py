@@ -210,6 +210,9 @@ def test_digits_example_end_to_end(digits_run):
     assert summary["global_step"] == STEPS
     assert summary["eval_accuracy"] >= 0.95
     assert summary["model"] == os.path.join(out, "final", "model.safetensors")
+    log = open(os.path.join(out, "raytrain.log")).read()  # the run's start, its end and where its files went
+    assert f"started: output_dir {out}, checkpoints in {out}/checkpoint-N" in log
+    assert f"ended: finished at step {STEPS}; checkpoints in {out}; final model {summary['model']}" in log
 
     # save_total_limit 2 keeps the two newest checkpoints, plus the best one if older
     steps = sorted(int(n.split("-")[1]) for n in os.listdir(out) if n.startswith("checkpoint-"))
@@ -323,6 +326,7 @@ def test_model_without_loss_is_one_line_with_the_traceback_in_the_log(tmp_path, 
     text = open(log).read()
     assert "Traceback (most recent call last)" in text and "ValueError: the model returned no loss" in text
     assert "model.factory=tests.cli_jobs:model_without_loss" in text  # the command heads the log
+    assert text.splitlines()[-1].startswith("=== ended: failed (ValueError: the model returned no loss")
 
 
 def test_debug_prints_the_traceback(tmp_path, capsys):

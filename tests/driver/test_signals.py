@@ -100,6 +100,9 @@ def test_sigterm_exits_143_and_says_what_was_saved(tmp_path):
     last = err.strip().splitlines()[-1]
     assert re.fullmatch(r"SIGTERM: stopped at step \d+/90; nothing saved \(save_strategy is 'no'\); "
                         r"continue with: python -m raytrain\.run .*", last), last
+    step = last.split("step ")[1].split("/")[0]
+    log = open(tmp_path / "o" / "raytrain.log").read()
+    assert f"ended: stopped by SIGTERM at step {step}; nothing saved (save_strategy is 'no')" in log
 
 
 def test_ctrl_c_before_training_is_one_line(tmp_path):
