@@ -171,6 +171,13 @@ def _cli_words(message: str) -> str:
     return message
 
 
+def _record(line: str) -> None:
+    """A line in OUTPUT_DIR/raytrain.log alone (the run's start and end): the console has its own."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler) and handler.baseFilename.endswith(LOG_FILE):
+            handler.handle(logging.LogRecord("raytrain.run", logging.INFO, __file__, 0, line, None, None))
+
+
 class _Session:
     """Where errors go: one line on stderr, the traceback in OUTPUT_DIR/raytrain.log (and with --debug)."""
 
@@ -189,8 +196,8 @@ class _Session:
         with open(self.log_path, "a") as f:  # the command heads each invocation's part of the log
             f.write(f"\n=== {continue_command(keep_resume=True)}\n")
         logging.getLogger().addHandler(self.handler)
-        logger.info("started: output_dir %s, checkpoints in %s/checkpoint-N (pid %d)", os.path.abspath(output_dir),
-                    os.path.abspath(output_dir), os.getpid())
+        _record(f"started: output_dir {os.path.abspath(output_dir)}, checkpoints in "
+                f"{os.path.abspath(output_dir)}/checkpoint-N (pid {os.getpid()})")
 
     def close(self) -> None:
         if self.handler is not None:
@@ -343,8 +350,8 @@ def _train(ns, session: _Session, args: TrainingArguments, job: dict, resume, st
         raise
     print("summary: " + json.dumps(summary, default=str))
     run.print_ui_line()
-    logger.info("ended: finished at step %d; checkpoints in %s; final model %s", trainer.state.global_step,
-                os.path.abspath(args.output_dir), summary.get("model"))
+    _record(f"ended: finished at step {trainer.state.global_step}; checkpoints in "
+            f"{os.path.abspath(args.output_dir)}; final model {summary.get('model')}")
     return 0
 
 
@@ -394,7 +401,7 @@ def _stopped(trainer, stop) -> int:
         saved = f"saved {checkpoint_dir(args.output_dir, step)}"
     print(f"{stop.name}: stopped at step {step}/{trainer.state.max_steps}; {saved}; "
           f"continue with: {continue_command()}", file=sys.stderr, flush=True)
-    logger.info("ended: stopped by %s at step %d; %s", stop.name, step, saved)
+    _record(f"ended: stopped by {stop.name} at step {step}; {saved}")
     return stop.exit_code
 
 
