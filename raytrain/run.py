@@ -30,6 +30,19 @@ logger = logging.getLogger(__name__)
 _ARGV: list[str] | None = None  # main()'s argv when called from Python (else sys.argv)
 
 
+_SEARCH_HELP = """\
+search YAML (--search FILE; each key can be overridden with --set search.KEY=VALUE):
+  space                  the hyperparameters: NAME: {uniform|loguniform: [low, high]}, {int|logint: [low, high]},
+                         {quniform: [low, high, step]}, {choice: [a, b, ...]}; model.NAME goes to the model factory
+  metric, mode           the objective (e.g. eval_accuracy, max); mode may be a list for several objectives
+  num_samples            trials to run (default 8)
+  scheduler              asha (default), hyperband, median, pbt or none; scheduler_kwargs: its arguments
+  sampler                tpe (default), random, cmaes or qmc; seed: the sampler's seed
+  max_concurrent_trials  trials at once (default: what the cluster holds)
+  name, storage_path     the sweep's name (default: the file's) and where it lives (default OUTPUT_DIR/sweeps)
+  show_trial_logs        print the trials' output instead of writing trial_<id>/trial.log"""
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse's own errors: one line, exit 2
         self.exit(EXIT_CONFIG, f"error: {message}{_set_hint(self.argv)}\n")
@@ -52,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m raytrain.run",
         description="Train (and evaluate) a model described by a YAML config.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="config fields (set in the YAML or with --set):\n" + cli_help(),
+        epilog="config fields (set in the YAML or with --set):\n" + cli_help() + "\n\n" + _SEARCH_HELP,
     )
     p.add_argument("--config", required=True, help="YAML file with TrainingArguments and model/data sections")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -298,7 +311,15 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(ns, session: _Session) -> int:
-    args = TrainingArguments.from_yaml(ns.config, ns.overrides)
+    searching = [s for s in ns.overrides if s.startswith("search.")]
+    if searching and not ns.search:
+        raise ConfigError(f"--set {searching[0]}: search settings need --search FILE (the search YAML they change)")
+    args = _training_arguments(ns.config, [s for s in ns.overrides if not s.startswith("search.")])
+    search = None
+    if ns.search:  # checked before any work: a bad search YAML fails in one line, writing nothing
+        from .sweep import load_search_spec
+
+        search = load_search_spec(ns.search, [s.removeprefix("search.") for s in searching])
     session.output_dir = args.output_dir
     resume = _resume_arg(ns.resume, args)
     _status(f"importing torch and {args.model.factory if args.model else 'the model'} ...")
@@ -312,7 +333,21 @@ def _main(ns, session: _Session) -> int:
         if not ns.search:
             return _train(ns, session, args, job, resume, stop)
     return run_search_cli(  # outside graceful_stop: Ray Tune handles Ctrl-C itself
-        args, job, ns.search, resume)
+        args, job, ns.search, resume, search)
+
+
+def _training_arguments(config: str, overrides: list[str]) -> TrainingArguments:
+    """TrainingArguments from the YAML and --set; a search setting given as a training field says where it goes."""
+    from .sweep.space import SPEC_KEYS
+
+    try:
+        return TrainingArguments.from_yaml(config, overrides)
+    except ConfigError as e:
+        name = str(e).split("'")[1] if str(e).startswith("unknown field '") else None
+        if name in SPEC_KEYS:
+            raise ConfigError(f"{name} is a search setting, not a training field: put it in the --search YAML "
+                              f"or write --set search.{name}=VALUE") from None
+        raise
 
 
 def _train(ns, session: _Session, args: TrainingArguments, job: dict, resume, stop) -> int:
@@ -463,12 +498,13 @@ class _TrackedRun:
 
 
 
-def run_search_cli(args: TrainingArguments, job: dict, path: str, resume: Any = "auto") -> int:
-    """python -m raytrain.run --config X.yaml --search S.yaml [--resume auto|never]"""
+def run_search_cli(args: TrainingArguments, job: dict, path: str, resume: Any = "auto",
+                   spec: dict | None = None) -> int:
+    """python -m raytrain.run --config X.yaml --search S.yaml [--set search.KEY=VALUE] [--resume auto|never]"""
     from .sweep import hyperparameter_search, load_search_spec, space_from_spec
     from .trainer import Trainer
 
-    spec = load_search_spec(path)
+    spec = spec if spec is not None else load_search_spec(path)
     space = space_from_spec(spec["space"])
     factory = import_string(args.model.factory, "model.factory")
     base_kwargs = args.model.kwargs

@@ -386,3 +386,20 @@ def test_set_with_a_space_for_the_equals_sign_says_how_to_write_it(tmp_path, cap
     code, _, err = run_main(capsys, *DIGITS, "--set", f"output_dir={tmp_path / 'o'}", "--set", "learning_rate")
     assert code == 2 and err == "error: --set expects KEY=VALUE, got 'learning_rate' (write --set learning_rate=VALUE)\n"
     assert not os.path.exists(tmp_path / "o")  # a configuration error before any work writes nothing
+
+
+def test_search_settings_are_set_as_search_keys_and_say_where_they_belong(tmp_path, capsys):
+    out = tmp_path / "o"
+    code, _, err = run_main(capsys, *DIGITS, "--set", f"output_dir={out}", "--set", "num_samples=5")
+    assert code == 2 and err == ("error: num_samples is a search setting, not a training field: put it in the "
+                                 "--search YAML or write --set search.num_samples=VALUE\n")
+    code, _, err = run_main(capsys, *DIGITS, "--set", "search.num_samples=5")
+    assert code == 2 and err == ("error: --set search.num_samples=5: search settings need --search FILE "
+                                 "(the search YAML they change)\n")
+    code, _, err = run_main(capsys, *DIGITS, "--search", "search_spaces/digits.yaml", "--set", f"output_dir={out}",
+                            "--set", "search.num_smaples=5")
+    assert code == 2 and err.startswith("error: --set search.num_smaples: not a search setting (valid: ")
+    assert not out.exists()  # checked before any work
+    code, help_text, _ = run_main(capsys, "--help")
+    assert code == 0 and "search YAML (--search FILE; each key can be overridden with --set search.KEY=VALUE)" \
+        in help_text and "num_samples            trials to run" in help_text

@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from ..args import ConfigError
+from ..config import apply_overrides
 
 _RANGES = {"uniform": 2, "loguniform": 2, "quniform": 3, "int": 2, "logint": 2, "randint": 2}
 DISTRIBUTIONS = sorted([*_RANGES, "choice"])
@@ -167,14 +168,19 @@ def _when(where: str, when: Any, before: dict[str, Param]) -> dict[str, list]:
     return out
 
 
-def load_search_spec(path: str) -> dict[str, Any]:
-    """Read and check a search YAML; the space is validated here too, before any trial starts."""
+def load_search_spec(path: str, overrides: list[str] | None = None) -> dict[str, Any]:
+    """Read and check a search YAML (with KEY=VALUE overrides, the CLI's --set search.KEY=VALUE); the
+    space is validated here too, before any trial starts."""
     if not os.path.isfile(path):
         raise ConfigError(f"--search: file not found: {path!r}")
     with open(path) as f:
         spec = yaml.safe_load(f) or {}
     if not isinstance(spec, dict):
         raise ConfigError(f"{path}: top level must be a mapping, got {type(spec).__name__}")
+    bad = sorted({o.partition("=")[0].split(".")[0] for o in overrides or []} - set(SPEC_KEYS))
+    if bad:
+        raise ConfigError(f"--set search.{bad[0]}: not a search setting (valid: {', '.join(sorted(SPEC_KEYS))})")
+    spec = apply_overrides(spec, overrides or [])
     unknown = sorted(set(spec) - set(SPEC_KEYS))
     if unknown:
         raise ConfigError(f"{path}: unknown key(s) {unknown} (valid: {', '.join(sorted(SPEC_KEYS))})")

@@ -317,12 +317,13 @@ def test_cli_search_resumes_by_name(ray_cluster, tmp_path):
     import sys
 
     spec = tmp_path / "space.yaml"
-    spec.write_text("metric: eval_accuracy\nmode: max\nnum_samples: 2\nscheduler: asha\nseed: 1\n"
+    spec.write_text("metric: eval_accuracy\nmode: max\nnum_samples: 5\nscheduler: asha\nseed: 1\n"
                     "max_concurrent_trials: 2\nspace:\n  learning_rate: {loguniform: [1.0e-3, 1.0e-2]}\n")
     env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     cmd = [sys.executable, "-m", "raytrain.run", "--config", "examples/digits.yaml", "--search", str(spec),
-           "--set", f"output_dir={tmp_path / 'out'}", "--set", "num_train_epochs=2"]
+           "--set", f"output_dir={tmp_path / 'out'}", "--set", "num_train_epochs=2",
+           "--set", "search.num_samples=2"]  # the CLI's override of the search YAML
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-2000:]
     [line] = [ln for ln in proc.stdout.splitlines() if "best trial" in ln]  # printed once

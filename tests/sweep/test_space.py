@@ -155,3 +155,12 @@ def test_asha_and_hyperband_cut_at_rungs_not_at_rays_max_t_of_100():
     sched.on_trial_add(None, bad)
     sched.on_trial_result(None, good, {"training_iteration": 1, "objective": 0.9})
     assert sched.on_trial_result(None, bad, {"training_iteration": 1, "objective": 0.1}) == TrialScheduler.STOP
+
+
+def test_search_yaml_overrides_apply_and_unknown_keys_are_named(tmp_path):
+    path = tmp_path / "s.yaml"
+    path.write_text("num_samples: 8\nspace:\n  learning_rate: {loguniform: [1.0e-4, 1.0e-2]}\n")
+    spec = load_search_spec(str(path), ["num_samples=3", "scheduler=none"])
+    assert spec["num_samples"] == 3 and spec["scheduler"] == "none"
+    with pytest.raises(ConfigError, match=r"^--set search.samples: not a search setting \(valid: "):
+        load_search_spec(str(path), ["samples=3"])
