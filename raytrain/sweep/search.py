@@ -257,7 +257,11 @@ def hyperparameter_search(trainer, hp_space=None, compute_objective: Callable | 
     tracker = None
     if "mlflow" in trainer.args.report_to:
         from .tracking import SweepTracker
-        tracker = SweepTracker.start(sweep_dir, name)
+        tracker = SweepTracker.start(sweep_dir, name, {
+            "n_trials": n_trials, "direction": direction, "scheduler": scheduler, "sampler": sampler, "seed": seed,
+            "metric": metric, "max_concurrent_trials": max_concurrent_trials,
+            **{f"space.{k}": str(v) for k, v in
+               (space.describe() if isinstance(space, SearchSpace) else space).items()}})
     spec = {
         # Each trial trains its own copy of the user's Trainer (subclass, overrides and all arguments).
         "trainer": pack_trainer(trainer), "sweep_dir": sweep_dir,
@@ -374,7 +378,7 @@ def _finish(grid, space, keys, modes, sweep_dir, name, tracker, plots, mirror=No
     if ok.empty:
         errors = [e for e in table["error"] if e]
         if tracker:
-            tracker.end(None)
+            tracker.end(None, sweep_dir, table)
         if mirror is not None:
             mirror.push_results()
         raise RuntimeError(f"every trial failed; the first error: {errors[0] if errors else 'no trial reported'}")
@@ -394,13 +398,13 @@ def _finish(grid, space, keys, modes, sweep_dir, name, tracker, plots, mirror=No
         print(f"[sweep] best trial {best.run_id}: objective={best.objective:.6g} {best.hyperparameters} "
               f"checkpoint={best.checkpoint}", flush=True)
         if tracker:
-            tracker.end(best)
+            tracker.end(best, sweep_dir, table)
         return best
     front = _pareto(ok, keys, modes)
     print(f"[sweep] Pareto front: {[r['trial_id'] for _, r in front.iterrows()]}", flush=True)
     runs = [best_run(r) for _, r in front.iterrows()]
     if tracker:
-        tracker.end(runs[0] if runs else None)
+        tracker.end(runs[0] if runs else None, sweep_dir, table)
     return runs
 
 

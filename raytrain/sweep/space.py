@@ -73,6 +73,14 @@ class SearchSpace:
                 chosen[p.name] = trial.suggest_float(p.name, p.low, p.high, log=p.log, step=p.step)
         return None
 
+    def describe(self) -> dict[str, str]:
+        """{name: "loguniform[0.0001, 0.01]"}, as the sweep's MLflow params show the space."""
+        out = {}
+        for p in self.params:
+            values = p.choices if p.kind == "choice" else [v for v in (p.low, p.high, p.step) if v is not None]
+            out[p.name] = f"{p.kind}{values}" + (f" when {p.when}" if p.when else "")
+        return out
+
     def to_tune(self) -> dict[str, Any]:
         """Ray Tune sample objects (for PBT's mutations and searcher-less sweeps)."""
         from ray import tune

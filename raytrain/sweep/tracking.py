@@ -23,8 +23,18 @@ class SweepTracker:
         self.info = {"uri": uri, "experiment_id": experiment_id, "parent_id": parent_id}
 
     @classmethod
-    def start(cls, sweep_dir: str, name: str) -> SweepTracker:
-        """The sweep's parent run: the one recorded in the sweep directory (a restored sweep), else new."""
+    def start(cls, sweep_dir: str, name: str, settings: dict | None = None) -> SweepTracker:
+        """The sweep's parent run: the one recorded in the sweep directory (a restored sweep), else new,
+        with the sweep's settings as params. Says where the runs are."""
+        tracker = cls._open(sweep_dir, name, settings or {})
+        from .. import tracking
+
+        print(f"[sweep] MLflow: parent run {name!r} ({tracker.info['parent_id']}), one child run per trial; "
+              f"see them with: {tracking.ui_command(tracker.info['uri'])}", flush=True)
+        return tracker
+
+    @classmethod
+    def _open(cls, sweep_dir: str, name: str, settings: dict) -> SweepTracker:
         from mlflow.tracking import MlflowClient
 
         uri = _uri()
@@ -39,6 +49,9 @@ class SweepTracker:
         exp = client.get_experiment_by_name(exp_name)
         exp_id = exp.experiment_id if exp else client.create_experiment(exp_name)
         run = client.create_run(exp_id, run_name=name, tags={"raytrain.sweep_dir": sweep_dir})
+        from .. import tracking
+
+        tracking.log_params(client, run.info.run_id, {f"sweep.{k}": str(v) for k, v in settings.items()})
         tracker = cls(uri, exp_id, run.info.run_id)
         with open(path, "w") as f:
             json.dump(tracker.info, f)
@@ -62,11 +75,22 @@ class SweepTracker:
             client.set_tag(run.info.run_id, "raytrain.error", error[:5000])
         client.set_terminated(run.info.run_id, status)
 
-    def end(self, best) -> None:
+    def end(self, best, sweep_dir: str | None = None, table=None) -> None:
+        """The parent's outcome (best trial, its objective and parameters), the sweep's table and plots
+        as its artifacts, and each trial's best checkpoint as a tag of its child run."""
         from mlflow.tracking import MlflowClient
 
         client = MlflowClient(self.info["uri"])
         parent = self.info["parent_id"]
+        if table is not None:
+            for trial_id, checkpoint in zip(table["trial_id"], table["checkpoint"]):
+                _, run = self._child(str(trial_id))
+                if run is not None and checkpoint:
+                    client.set_tag(run.info.run_id, "checkpoint", checkpoint)
+        if sweep_dir is not None:
+            for entry in sorted(os.listdir(sweep_dir)):
+                if entry == "trials.csv" or entry.endswith((".png", ".html")):
+                    client.log_artifact(parent, os.path.join(sweep_dir, entry))
         if best is not None:
             client.set_tag(parent, "best_trial_id", best.run_id)
             client.set_tag(parent, "best_checkpoint", best.checkpoint or "")

@@ -126,7 +126,7 @@ def test_each_trial_trains_the_users_trainer_subclass_with_all_its_arguments(ray
                         "weight_decay": pytest.approx(row["weight_decay"])}
 
 
-def test_failures_multi_objective_and_mlflow_parent_child(ray_cluster, tmp_path, digits, monkeypatch):
+def test_failures_multi_objective_and_mlflow_parent_child(ray_cluster, tmp_path, digits, monkeypatch, capsys):
     mlflow = pytest.importorskip("mlflow")
     from examples.digits import build_model
 
@@ -180,6 +180,15 @@ def test_failures_multi_objective_and_mlflow_parent_child(ray_cluster, tmp_path,
         assert float(child.data.params["learning_rate"]) == pytest.approx(lr)
         assert [m.step for m in client.get_metric_history(child.info.run_id, "eval_accuracy")] == [5, 10]
     assert parent.data.tags["best_trial_id"] == front[0].run_id
+    # The sweep says where its runs are; the parent carries its settings and results; each child its checkpoint.
+    assert f"[sweep] MLflow: parent run 'multi' ({parent.info.run_id}), one child run per trial; see them with: " \
+           f"mlflow ui --backend-store-uri sqlite:///{tmp_path}/mlflow.db" in capsys.readouterr().out
+    assert parent.data.params["sweep.n_trials"] == "3" and parent.data.params["sweep.sampler"] == "random"
+    assert parent.data.params["sweep.space.learning_rate"] == "loguniform[0.001, 0.03]"
+    artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert {"trials.csv", "pareto_front.html"} <= artifacts
+    for t in done["trial_id"]:
+        assert children[t].data.tags["checkpoint"] == table.set_index("trial_id").loc[t, "checkpoint"]
     assert "model_init exploded" in children[failed["trial_id"].iloc[0]].data.tags["raytrain.error"]
 
 
