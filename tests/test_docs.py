@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOCS = os.path.join(ROOT, "docs")
 SNIPPETS = os.path.join(DOCS, "snippets")
 
-# snippet -> the --set overrides a test run adds (the page shows the full run)
+# snippet -> what a test run adds to each raytrain.run command (the page shows the full run)
 RUN = {
     "quickstart.sh": ["--set", "max_steps=30"],   # in a real shell, as the README's first command
     "cli.sh": ["--set", "max_steps=20", "--no-report"],
@@ -152,7 +152,7 @@ def workdir(tmp_path, monkeypatch):
 
 
 def _run_in_process(words: list[str], extra: list[str], capsys) -> str:
-    """`python -m raytrain.run|report ...` through its main() in this process; its stdout."""
+    """`python -m raytrain.run|report ...` through its main() in this process; what it printed."""
     assert words[:2] == ["python", "-m"], words
     if words[2] == "raytrain.run":
         from raytrain.run import main
@@ -173,9 +173,11 @@ def _run_in_process(words: list[str], extra: list[str], capsys) -> str:
 def test_quickstart_runs_in_a_shell(workdir):
     """The README's first command (less the installs), as typed, with a --set that keeps it short."""
     text = _read("docs", "snippets", "quickstart.sh")
-    script = re.sub(r"(python -m raytrain\.run .*)", lambda m: m.group(1) + " " + shlex.join(RUN["quickstart.sh"]), text)
+    extra = " " + shlex.join(RUN["quickstart.sh"])
+    script = re.sub(r"(python -m raytrain\.run .*)", lambda m: m.group(1) + extra, text)
     proc = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=workdir, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"})
+                          timeout=300, env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1",
+                               "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"]})
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert '"global_step": 30' in proc.stdout
     assert (workdir / "runs/digits/final/model.safetensors").is_file()
