@@ -2,8 +2,9 @@
 
 For a training run (OUTPUT_DIR/trainer_state.json, else its newest checkpoint's): train loss,
 learning rate, grad norm and each eval metric against steps, one PNG each, plus overview.png with
-all of them. For a search (a directory holding Ray Tune trials' result.json): every trial's
-objective against steps in objective.png. PNGs go to OUTPUT_DIR/plots unless --out says otherwise.
+all of them. For a sweep (OUTPUT_DIR/sweeps/NAME, or any directory holding Ray Tune trials'
+result.json): every trial's objective against steps in objective.png. PNGs go to DIRECTORY/plots
+unless --out says otherwise.
 matplotlib's Agg backend: no display needed.
 """
 
@@ -144,7 +145,7 @@ def write_report(directory: str, out: str | None = None) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m raytrain.report", description=__doc__.split("\n\n")[1])
-    p.add_argument("directory", help="a run's output_dir, or a search's directory (OUTPUT_DIR/tune)")
+    p.add_argument("directory", help="a run's output_dir, or a sweep's directory (OUTPUT_DIR/sweeps/NAME)")
     p.add_argument("--out", default=None, help="where to write the PNGs (default: DIRECTORY/plots)")
     ns = p.parse_args(argv)
     try:

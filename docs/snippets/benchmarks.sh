@@ -1,0 +1,5 @@
+python benchmarks/loop_overhead.py --steps 300 --rounds 3 --threads 1
+python benchmarks/checkpoint.py --mb 64 --parts a,b,c,e
+python benchmarks/ingest.py --rows 2000000 --part all
+python benchmarks/hpo.py --seeds 3 --trials 20 --target 0.98
+python benchmarks/ddp_vs_torchrun.py --steps 60

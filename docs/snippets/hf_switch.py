@@ -1,0 +1,2 @@
+# from transformers import Trainer, TrainingArguments      # before
+from raytrain import Trainer, TrainingArguments            # after

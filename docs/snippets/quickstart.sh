@@ -1,0 +1,2 @@
+python -m raytrain.run --config examples/digits.yaml
+python -m raytrain.report runs/digits
