@@ -190,11 +190,11 @@ class TrainingArguments(HFArgumentMethods):
     parallelism_config: Any = _f(None, "not supported (no accelerate): use the distributed section")
     dataloader_in_order: bool = _f(True, "batches always come in order (deterministic); false is not supported")
     dataloader_multiprocessing_context: Literal["fork", "spawn", "forkserver"] | None = _f(
-        None, "not supported: data workers use torch's default start method")
+        None, "start method of the data worker processes (dataloader_num_workers > 0); default: torch's")
     eval_use_gather_object: bool = _f(False, "accepted: evaluation results are always gathered as objects")
     enable_jit_checkpoint: bool = _f(
         False, "accepted: Ray workers and raytrain.run always save a checkpoint at the next step on SIGTERM")
-    use_cache: bool = _f(False, "not applied: the model's config.use_cache is left as it is")
+    use_cache: bool = _f(False, "set as the model's config.use_cache (a transformers model's generation cache)")
     trackio_space_id: str | None = _f(None, "not supported (no Trackio; report_to takes mlflow)")
     trackio_bucket_id: str | None = _f(None, "not supported (no Trackio; report_to takes mlflow)")
     trackio_static_space_id: str | None | Literal[False] = _f(

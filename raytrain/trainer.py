@@ -78,6 +78,8 @@ class Trainer:
         self.state = TrainerState()
         self.control = TrainerControl()
         self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)
+        if getattr(self.model, "config", None) is not None and hasattr(self.model.config, "use_cache"):
+            self.model.config.use_cache = self.args.use_cache  # as HF: no generation cache while training
         self.stop_memory_tracking("init")
 
     # ------------------------------------------------------------ public API

@@ -34,9 +34,6 @@ _HF_NOOP_WARNINGS = {
     "parallelism_config": "parallelism_config is not supported (no accelerate); use the distributed section "
                           "(distributed.strategy ddp, fsdp or deepspeed)",
     "dataloader_in_order": "dataloader_in_order=False is not supported; batches always come in order",
-    "dataloader_multiprocessing_context": "dataloader_multiprocessing_context is not supported; data workers use "
-                                          "torch's default start method",
-    "use_cache": "use_cache is not applied; the model's config.use_cache is left as it is",
     **{name: f"{name} is not supported (no Trackio); use report_to mlflow"
        for name in ("trackio_space_id", "trackio_bucket_id", "trackio_static_space_id")},
 }

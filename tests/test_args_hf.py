@@ -4,6 +4,7 @@ activation checkpointing and its alias, main_process_first across processes) and
 from __future__ import annotations
 
 import logging
+import types
 import multiprocessing
 import os
 import socket
@@ -20,18 +21,16 @@ from raytrain.strategies.single import SingleProcessStrategy
 
 WARNED = {  # a non-default value -> the start of its warning
     "dataloader_in_order": (False, "dataloader_in_order=False is not supported"),
-    "dataloader_multiprocessing_context": ("spawn", "dataloader_multiprocessing_context is not supported"),
     "liger_kernel_config": ({"rope": True}, "liger_kernel_config is not supported"),
     "optim_target_modules": (["attn"], "optim_target_modules is not supported"),
     "parallelism_config": ({"tp_size": 2}, "parallelism_config is not supported"),
     "trackio_bucket_id": ("me/bucket", "trackio_bucket_id is not supported"),
     "trackio_space_id": ("me/space", "trackio_space_id is not supported"),
     "trackio_static_space_id": (False, "trackio_static_space_id is not supported"),
-    "use_cache": (True, "use_cache is not applied"),
 }
 WORKS = dict(activation_checkpointing=True, activation_checkpointing_kwargs={"use_reentrant": False},
              ddp_broadcast_buffers=False, ddp_bucket_cap_mb=10, ddp_static_graph=True, enable_jit_checkpoint=True,
-             eval_use_gather_object=True)
+             eval_use_gather_object=True, use_cache=True, dataloader_multiprocessing_context="spawn")
 
 
 @pytest.fixture
@@ -164,3 +163,17 @@ def test_main_process_first_makes_replicas_wait(local):
     assert seen[("enter", 1)] >= seen[("leave", 0)]
     assert (seen[("level", 0)], seen[("level", 1)]) == (logging.INFO, logging.ERROR)
     assert seen[("mode", 0)] == seen[("mode", 1)] == "distributed"
+
+
+def test_use_cache_and_the_workers_start_method_are_applied(tmp_path):
+    from raytrain import Trainer
+    from raytrain.data.loaders import WorkerPool
+    from tests.tiny import TinyClassifier, args_for, columns
+
+    model = TinyClassifier()
+    model.config = types.SimpleNamespace(use_cache=True)  # a transformers model's config, as HF sets it
+    trainer = Trainer(model, args_for(tmp_path, use_cache=False, dataloader_num_workers=1,
+                                      dataloader_multiprocessing_context="spawn"), train_dataset=columns(8))
+    assert model.config.use_cache is False
+    loader = trainer.get_train_dataloader()
+    assert isinstance(loader, WorkerPool) and loader.loader_kwargs["multiprocessing_context"] == "spawn"

@@ -44,7 +44,8 @@ def build_loader(data: Any, batch_size: int, args: Any, **kw) -> Any:
     if workers and hasattr(source, "batch_indices") and hasattr(source, "fetch"):
         return WorkerPool(source, workers, pin_memory=args.dataloader_pin_memory and torch.cuda.is_available(),
                           prefetch_factor=args.dataloader_prefetch_factor,
-                          persistent_workers=args.dataloader_persistent_workers)
+                          persistent_workers=args.dataloader_persistent_workers,
+                          multiprocessing_context=getattr(args, "dataloader_multiprocessing_context", None))
     return source
 
 
@@ -177,9 +178,10 @@ class WorkerPool:
     order; every other attribute is the wrapped source's."""
 
     def __init__(self, source: Any, num_workers: int, pin_memory: bool = False, prefetch_factor: int | None = None,
-                 persistent_workers: bool = False):
+                 persistent_workers: bool = False, multiprocessing_context: str | None = None):
         self.source, self.num_workers = source, num_workers
-        self.loader_kwargs = dict(num_workers=num_workers, pin_memory=pin_memory, prefetch_factor=prefetch_factor)
+        self.loader_kwargs = dict(num_workers=num_workers, pin_memory=pin_memory, prefetch_factor=prefetch_factor,
+                                  multiprocessing_context=multiprocessing_context)
         # Each epoch (and each resume position) is a new index plan, so workers are not kept across it.
         self.persistent_workers = persistent_workers
 
