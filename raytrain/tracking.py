@@ -130,7 +130,9 @@ def create_run(mlflow_client, args, run_name: str | None = None, trial_params: d
     exp = mlflow_client.get_experiment_by_name(name)
     exp_id = exp.experiment_id if exp is not None else \
         mlflow_client.create_experiment(name, artifact_location=_artifact_location(mlflow_client.tracking_uri))
-    run = mlflow_client.create_run(exp_id, run_name=redact(run_name or args.run_name), tags=run_tags(args))
+    # Named after the run (run_name, else output_dir's folder), not MLflow's random words.
+    default = os.path.basename(os.path.normpath(args.output_dir)) if args.output_dir else None
+    run = mlflow_client.create_run(exp_id, run_name=redact(run_name or args.run_name or default), tags=run_tags(args))
     log_params(mlflow_client, run.info.run_id, params_of(args, trial_params))
     return run.info.run_id
 

@@ -113,3 +113,12 @@ def test_artifacts_go_beside_the_sqlite_file():
 
     assert _artifact_location("sqlite:////data/runs/mlflow.db") == "file:///data/runs/mlartifacts"
     assert _artifact_location("http://mlflow:5000") is None
+
+
+def test_a_run_without_run_name_is_named_after_its_output_dir(tmp_path, monkeypatch):
+    from raytrain import tracking
+
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "names")
+    client = mlflow.tracking.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    run_id = tracking.create_run(client, TrainingArguments(output_dir=str(tmp_path / "digits-small"), use_cpu=True))
+    assert client.get_run(run_id).info.run_name == "digits-small"
