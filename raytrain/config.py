@@ -5,10 +5,11 @@ translation of pydantic's errors into 'FIELD: must be ..., got VALUE'."""
 from __future__ import annotations
 
 import copy
+import importlib
 import difflib
 import json
 import re
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Callable, Literal, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -245,3 +246,16 @@ def _first_error(root: type[BaseModel], exc: ValidationError) -> str:
     if "a number" in expected and "an integer" in expected:
         expected.remove("an integer")
     return f"{field}: expected {' or '.join(expected)}, got {show_value(err['input'])}"
+
+
+def import_string(path: str, field: str) -> Callable:
+    """'package.module:attr' -> the object; a ConfigError naming `field` if it cannot be found."""
+    module_name, _, attr = path.partition(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"{field}: cannot import module {module_name!r} ({e})") from None
+    try:
+        return getattr(module, attr)
+    except AttributeError:
+        raise ConfigError(f"{field}: module {module_name!r} has no attribute {attr!r}") from None

@@ -3,19 +3,19 @@
 For a training run (OUTPUT_DIR/trainer_state.json, else its newest checkpoint's): train loss,
 learning rate, grad norm and each eval metric against steps, one PNG each, plus overview.png with
 all of them. For a sweep (OUTPUT_DIR/sweeps/NAME, or any directory holding Ray Tune trials'
-result.json): every trial's objective against steps in objective.png. PNGs go to DIRECTORY/plots
-unless --out says otherwise.
-matplotlib's Agg backend: no display needed.
+result.json): every trial's objective against steps in objective.png, the plot the sweep itself writes.
+PNGs go to DIRECTORY/plots unless --out says otherwise. Drawn by plots.py: log scale where a curve
+spans decades, the best checkpoint marked, axes named after the metric.
 """
 
 from __future__ import annotations
 
 import argparse
-import glob
 import json
-import math
 import os
 import sys
+
+from . import plots
 
 _TRAIN_KEYS = ("loss", "learning_rate", "grad_norm")
 _NOT_CURVES = ("_runtime", "_per_second")
@@ -55,68 +55,9 @@ def _trainer_state(output_dir: str) -> str | None:
     return None
 
 
-def sweep_curves(directory: str, metric: str = "objective") -> dict[str, tuple[list[int], list[float]]]:
-    """{trial directory name: (steps, objective)} from each Ray Tune trial's result.json (JSON lines)."""
-    curves = {}
-    for path in sorted(glob.glob(os.path.join(directory, "**", "result.json"), recursive=True)):
-        xs, ys = [], []
-        with open(path) as f:
-            for line in f:
-                try:
-                    row = json.loads(line)
-                except ValueError:
-                    continue  # a trial killed mid-write leaves a partial last line
-                if isinstance(row.get(metric), (int, float)):
-                    xs.append(int(row.get("step", row.get("training_iteration", len(xs) + 1))))
-                    ys.append(float(row[metric]))
-        if xs:
-            curves[os.path.basename(os.path.dirname(path))] = (xs, ys)
-    return curves
-
-
-def _figure(curves: dict, title: str, path: str, ylabel: str | None = None) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=80)
-    for label, (xs, ys) in curves.items():
-        ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3, label=label)
-    ax.set_xlabel("step")
-    ax.set_ylabel(ylabel or title)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    if len(curves) > 1:
-        ax.legend(fontsize=7, ncol=2 if len(curves) > 6 else 1)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
-
-
-def _overview(curves: dict, path: str, title: str) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    cols = min(3, len(curves))
-    rows = math.ceil(len(curves) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 2.8 * rows), dpi=80, squeeze=False)
-    for ax, (name, (xs, ys)) in zip(axes.flat, curves.items()):
-        ax.plot(xs, ys, marker="o" if len(xs) < 30 else None, markersize=3)
-        ax.set_title(name, fontsize=10)
-        ax.set_xlabel("step", fontsize=8)
-        ax.tick_params(labelsize=7)
-        ax.grid(alpha=0.3)
-    for ax in list(axes.flat)[len(curves):]:
-        ax.axis("off")
-    fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
-    return path
+def _best_step(state_path: str) -> int | None:
+    with open(state_path) as f:
+        return json.load(f).get("best_global_step")
 
 
 def write_report(directory: str, out: str | None = None) -> list[str]:
@@ -131,14 +72,15 @@ def write_report(directory: str, out: str | None = None) -> list[str]:
         if not curves:
             raise ReportError(f"{state}: log_history has no loss, learning_rate, grad_norm or eval metric yet")
         os.makedirs(out, exist_ok=True)
-        written = [_figure({k: v}, k, os.path.join(out, f"{k}.png")) for k, v in curves.items()]
-        written.append(_overview(curves, os.path.join(out, "overview.png"), os.path.basename(
-            os.path.abspath(directory))))
+        best = _best_step(state)
+        written = [plots.figure({k: v}, k, os.path.join(out, f"{k}.png"), best_step=best if k.startswith("eval_")
+                                else None) for k, v in curves.items()]
+        written.append(plots.overview(curves, os.path.join(out, "overview.png"), os.path.basename(
+            os.path.abspath(directory)), best_step=best))
         return written
-    trials = sweep_curves(directory)
-    if trials:
-        os.makedirs(out, exist_ok=True)
-        return [_figure(trials, "objective per trial", os.path.join(out, "objective.png"), "objective")]
+    sweep = plots.sweep_plot(directory, out)
+    if sweep is not None:
+        return [sweep]
     raise ReportError(f"{directory}: no trainer_state.json (in it or a checkpoint-N) and no trial result.json "
                       "below it; nothing to plot")
 

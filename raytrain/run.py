@@ -10,16 +10,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import importlib
 import json
 import logging
 import os
 import shlex
 import signal
 import sys
-from typing import Any, Callable
+from typing import Any
 
 from .args import ConfigError, TrainingArguments, cli_help
+from .cli_search import SEARCH_HELP, run_search_cli
+from .config import import_string
 
 EXIT_CONFIG = 2
 EXIT_ERROR = 1
@@ -28,19 +29,6 @@ _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 logger = logging.getLogger(__name__)
 _ARGV: list[str] | None = None  # main()'s argv when called from Python (else sys.argv)
-
-
-_SEARCH_HELP = """\
-search YAML (--search FILE; each key can be overridden with --set search.KEY=VALUE):
-  space                  the hyperparameters: NAME: {uniform|loguniform: [low, high]}, {int|logint: [low, high]},
-                         {quniform: [low, high, step]}, {choice: [a, b, ...]}; model.NAME goes to the model factory
-  metric, mode           the objective (e.g. eval_accuracy, max); mode may be a list for several objectives
-  num_samples            trials to run (default 8)
-  scheduler              asha (default), hyperband, median, pbt or none; scheduler_kwargs: its arguments
-  sampler                tpe (default), random, cmaes or qmc; seed: the sampler's seed
-  max_concurrent_trials  trials at once (default: what the cluster holds)
-  name, storage_path     the sweep's name (default: the file's) and where it lives (default OUTPUT_DIR/sweeps)
-  show_trial_logs        print the trials' output instead of writing trial_<id>/trial.log"""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -65,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m raytrain.run",
         description="Train (and evaluate) a model described by a YAML config.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="config fields (set in the YAML or with --set):\n" + cli_help() + "\n\n" + _SEARCH_HELP,
+        epilog="config fields (set in the YAML or with --set):\n" + cli_help() + "\n\n" + SEARCH_HELP,
     )
     p.add_argument("--config", required=True, help="YAML file with TrainingArguments and model/data sections")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -79,19 +67,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-report", dest="report", action="store_false",
                    help="do not write the PNG plots (OUTPUT_DIR/plots) at the end of the run")
     return p
-
-
-def import_string(path: str, field: str) -> Callable:
-    """'package.module:attr' -> the object; a ConfigError naming `field` if it cannot be found."""
-    module_name, _, attr = path.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(f"{field}: cannot import module {module_name!r} ({e})") from None
-    try:
-        return getattr(module, attr)
-    except AttributeError:
-        raise ConfigError(f"{field}: module {module_name!r} has no attribute {attr!r}") from None
 
 
 def build_job(args: TrainingArguments) -> dict[str, Any]:
@@ -496,39 +471,6 @@ class _TrackedRun:
             print(f"mlflow: run {self.callback.run_id}; see it with: {tracking.ui_command(self.callback.tracking_uri)}")
 
 
-
-
-def run_search_cli(args: TrainingArguments, job: dict, path: str, resume: Any = "auto",
-                   spec: dict | None = None) -> int:
-    """python -m raytrain.run --config X.yaml --search S.yaml [--set search.KEY=VALUE] [--resume auto|never]"""
-    from .sweep import hyperparameter_search, load_search_spec, space_from_spec
-    from .trainer import Trainer
-
-    spec = spec if spec is not None else load_search_spec(path)
-    space = space_from_spec(spec["space"])
-    factory = import_string(args.model.factory, "model.factory")
-    base_kwargs = args.model.kwargs
-
-    def model_init(**kw):
-        return factory(**{**base_kwargs, **kw})
-
-    job = {k: v for k, v in job.items() if k != "model"}
-    trainer = Trainer(args=args, model_init=model_init, **job)
-    mode = spec.get("mode", "min")
-    direction = [("maximize" if m == "max" else "minimize") for m in mode] if isinstance(mode, list) else \
-        ("maximize" if mode == "max" else "minimize")
-    name = spec.get("name") or os.path.splitext(os.path.basename(path))[0]
-    best = hyperparameter_search(trainer, space, n_trials=spec.get("num_samples", 8), direction=direction,
-                                 scheduler=spec.get("scheduler", "asha"), scheduler_kwargs=spec.get("scheduler_kwargs"),
-                                 max_concurrent_trials=spec.get("max_concurrent_trials"), seed=spec.get("seed"),
-                                 metric=spec.get("metric"), sampler=spec.get("sampler", "tpe"), name=name,
-                                 show_trial_logs=bool(spec.get("show_trial_logs", False)),
-                                 storage_path=spec.get("storage_path"),
-                                 resume="auto" if resume == "auto" else False)
-    for b in best if isinstance(best, list) else []:  # the search printed the best of one objective
-        print(f"Pareto trial {b.run_id}: objective={b.objective} hyperparameters={b.hyperparameters} "
-              f"checkpoint={b.checkpoint}")
-    return 0
 
 
 if __name__ == "__main__":

@@ -87,3 +87,30 @@ def test_nothing_to_plot_is_one_line(tmp_path, capsys):
     with pytest.raises(ValueError, match="log_history has no loss"):
         (tmp_path / "trainer_state.json").write_text('{"log_history": [{"train_runtime": 1.0, "step": 0}]}')
         write_report(str(tmp_path))
+
+
+def test_plots_use_a_log_scale_across_decades_mark_the_best_checkpoint_and_name_the_metric():
+    from raytrain import plots
+
+    loss = {"loss": ([5, 10, 15], [2.0, 0.2, 0.02])}
+    fig = plots.draw(loss, "loss")
+    assert fig.axes[0].get_yscale() == "log" and fig.axes[0].get_ylabel() == "loss"
+    flat = plots.draw({"eval_accuracy": ([20, 40], [0.9, 0.95])}, "eval_accuracy", best_step=40)
+    ax = flat.axes[0]
+    assert ax.get_yscale() == "linear"  # less than a decade apart
+    marks = [line for line in ax.get_lines() if list(line.get_xdata()) == [40, 40]]
+    assert len(marks) == 1 and marks[0].get_label() == "best checkpoint (40)"
+    assert not plots.spans_decades({"x": ([1, 2], [-1.0, 100.0])})  # not all positive: linear
+
+
+def test_a_sweeps_objective_axis_is_named_after_its_metric(tmp_path):
+    from raytrain import plots
+
+    trial = tmp_path / "trial_a1"
+    os.makedirs(trial)
+    with open(trial / "result.json", "w") as f:
+        for step, acc in ((10, 0.8), (20, 0.9)):
+            f.write(json.dumps({"objective": acc, "eval_accuracy": acc, "eval_loss": 1 - acc, "step": step}) + "\n")
+    curves, name = plots.sweep_curves(str(tmp_path))
+    assert curves == {"a1": ([10, 20], [0.8, 0.9])} and name == "eval_accuracy"
+    assert plots.sweep_plot(str(tmp_path)) == str(tmp_path / "plots" / "objective.png")

@@ -118,16 +118,18 @@ def print_table(df) -> None:
 
 
 def write_plots(sweep_dir: str, grid, objective_keys: list[str], study=None) -> list[str]:
-    """Optuna's HTML plots (when a study exists) and objective-over-steps.png; returns the files."""
+    """Optuna's HTML plots (when a study exists) and plots/objective.png (the same plot
+    `python -m raytrain.report SWEEP_DIR` draws); returns the files."""
+    from ..plots import sweep_plot
+
     written = []
     if study is not None:
         written += _optuna_plots(sweep_dir, study, objective_keys)
-    path = os.path.join(sweep_dir, "objective_over_steps.png")
     try:
-        _curves_png(path, grid, objective_keys[0])
-        written.append(path)
+        path = sweep_plot(sweep_dir)
+        written += [path] if path else []
     except Exception as e:  # a plot must never fail a finished sweep
-        logger.warning("objective_over_steps.png: %s", e)
+        logger.warning("plots/objective.png: %s", e)
     return written
 
 
@@ -156,26 +158,3 @@ def _optuna_plots(sweep_dir: str, study, objective_keys: list[str]) -> list[str]
         except Exception as e:  # e.g. importances need two finished trials that differ
             logger.warning("%s.html not written: %s", name, error_line(str(e)))
     return written
-
-
-def _curves_png(path: str, grid, key: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for r in grid:
-        df = r.metrics_dataframe
-        if df is None or key not in df or "step" not in df:
-            continue
-        df = df.dropna(subset=[key])
-        ax.plot(df["step"], df[key], marker=".", label=os.path.basename(r.path).removeprefix("trial_"))
-    ax.set_xlabel("training step")
-    ax.set_ylabel(key)
-    ax.set_title("objective of every trial over training steps")
-    if len(grid) <= 12:
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)

@@ -9,7 +9,7 @@ the rest stays in `<output_dir>/sweeps/<name>/` and mirror.py copies it up)::
     optuna.db                                                  the Optuna study (SQLite)
     trial_<id>/                                                one trial: raytrain checkpoints, Tune's
                                                                result.json, its stdout/stderr logs
-    trials.csv, *.html, objective_over_steps.png               the results
+    trials.csv, *.html, plots/objective.png                    the results
 
 A search space is a YAML-style spec (raytrain.sweep.space) or Ray Tune sample objects; the YAML
 file for the CLI (search_spaces/*.yaml) adds metric, mode, num_samples, scheduler, sampler, seed.
