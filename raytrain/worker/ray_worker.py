@@ -117,6 +117,10 @@ class PreemptionCallback(TrainerCallback):
         end the group (it counts a preemption); after SIGTERM, fail so that Ray restarts the group."""
         if self.triggered_at is None or global_step >= max_steps:
             return
+        if self.notice is None and self._next_poll != float("inf"):
+            # Every rank stopped at the same step: ask once more, so that a SIGTERM during a drain whose
+            # notice the last poll missed still counts as the preemption it is.
+            self.notice = _preemption_info()
         what = f"saved checkpoint-{self.triggered_at} and " if saved else ""
         if self.notice is not None:
             deadline = self.notice.deadline_ms / 1000 if self.notice.deadline_ms else time.time() + 120

@@ -138,7 +138,7 @@ def python_interrupts(trainer: TrainerProtocol):
     defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
     ours = [signal.SIGINT] + ([signal.SIGTERM] if getattr(trainer.args, "enable_jit_checkpoint", False) else [])
     ours = [s for s in ours if signal.getsignal(s) is defaults[s]]
-    if threading.current_thread() is not threading.main_thread() or signal.SIGINT not in ours:
+    if threading.current_thread() is not threading.main_thread() or not ours:
         yield None
         return
     stop = StopRequest()
