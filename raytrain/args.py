@@ -193,7 +193,9 @@ class TrainingArguments(HFArgumentMethods):
         None, "start method of the data worker processes (dataloader_num_workers > 0); default: torch's")
     eval_use_gather_object: bool = _f(False, "accepted: evaluation results are always gathered as objects")
     enable_jit_checkpoint: bool = _f(
-        False, "accepted: Ray workers and raytrain.run always save a checkpoint at the next step on SIGTERM")
+        False, "save at the next step and stop on a preemption: Ray workers always do on Ray's preemption "
+        "notice (scaling.max_preemption_failures) and on SIGTERM, raytrain.run on SIGTERM; set, an "
+        "in-process Trainer.train() from Python does too on SIGTERM (then exits 143)")
     use_cache: bool = _f(False, "set as the model's config.use_cache (a transformers model's generation cache)")
     trackio_space_id: str | None = _f(None, "not supported (no Trackio; report_to takes mlflow)")
     trackio_bucket_id: str | None = _f(None, "not supported (no Trackio; report_to takes mlflow)")

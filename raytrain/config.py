@@ -98,6 +98,9 @@ class ScalingConfig(StrictModel):
     max_failures: int = Field(
         0, ge=-1, description="restarts from the last checkpoint after a worker failure; -1 retries forever"
     )
+    max_preemption_failures: int = Field(
+        -1, ge=-1, description="restarts after a node preemption that Ray announced (a drained spot node: "
+        "the workers save a checkpoint and stop), counted apart from max_failures; -1 retries forever")
     storage_path: str | None = Field(None, description="where Ray stores checkpoints and results (local path or URI)")
 
 

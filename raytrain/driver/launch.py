@@ -9,31 +9,77 @@ from __future__ import annotations
 
 import copy
 import io
+import logging
 import os
 import time
 
+from ..config import ConfigError
 from ..data.build import blocks_for_workers
 from ..state import TrainerState, TrainOutput
 from .progress import driver_progress
 from .torch_trainer import build_torch_trainer, fit, scaling_config
 
+logger = logging.getLogger(__name__)
 
-def ensure_ray() -> None:
-    """Join the cluster named by RAY_ADDRESS (set under `ray job submit`), or start a local one whose
-    dashboard listens on 127.0.0.1 only. Workers of a local cluster import from the driver's cwd."""
+
+def ensure_ray(address: str | None = None) -> None:
+    """Join the cluster named by `address` or RAY_ADDRESS (set under `ray job submit`), or the one
+    `ray start` recorded, or start a local one whose dashboard listens on 127.0.0.1 only. Workers of a
+    local cluster import from the driver's cwd. A cluster that is gone is found within a second: a
+    named one is a one-line ConfigError, a recorded one is warned about and a local one started."""
     import ray
 
     if ray.is_initialized():
         return
-    if os.environ.get("RAY_ADDRESS"):
-        ray.init(log_to_driver=True)
+    named = address or os.environ.get("RAY_ADDRESS")
+    if named and named not in ("local", "auto") and not _gcs_alive(named):
+        source = "address" if address else "RAY_ADDRESS"
+        raise ConfigError(f"no Ray cluster answers at {source}={named} (nothing listens there); start it, "
+                              "or leave the address out to run on a local cluster")
+    if named in (None, "auto"):  # ray.init() would join the cluster `ray start` recorded, dead or alive
+        record, recorded = _recorded_cluster()
+        if recorded and not _gcs_alive(recorded):
+            if named == "auto":
+                raise ConfigError(f"no Ray cluster answers at {recorded}, the address {record} records "
+                                      "(RAY_ADDRESS=auto); start it, or unset RAY_ADDRESS")
+            logger.warning("the Ray cluster recorded in %s (%s) is gone: starting a local one", record, recorded)
+            address = "local"
+    if named:
+        ray.init(address=address, log_to_driver=True)
         return
     paths = [os.getcwd()] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
     for name in ("DS_ACCELERATOR", "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"):
         if name in os.environ:
             env[name] = os.environ[name]
-    ray.init(dashboard_host="127.0.0.1", runtime_env={"env_vars": env})
+    ray.init(address=address, dashboard_host="127.0.0.1", runtime_env={"env_vars": env})
+
+
+def _recorded_cluster() -> tuple[str, str | None]:
+    """The file where `ray start` records its GCS address, found as ray.init() finds it
+    ($RAY_TMPDIR/ray, else $TMPDIR/ray, else /tmp/ray), and the address in it (None: no record)."""
+    from ray._common.utils import get_ray_address_file
+
+    path = get_ray_address_file(None)
+    try:
+        with open(path) as f:
+            return path, f.read().strip() or None
+    except OSError:
+        return path, None
+
+
+def _gcs_alive(address: str) -> bool:
+    """Whether something listens at a host:port address (1 s); other forms (ray://...) are left to Ray."""
+    import socket
+
+    host, _, port = address.rpartition(":")
+    if "://" in address or not host or not port.isdigit():
+        return True
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=1.0).close()
+        return True
+    except OSError:
+        return False
 
 
 def run_distributed(trainer, resume_from_checkpoint=None) -> TrainOutput:

@@ -43,7 +43,9 @@ def build_torch_trainer(trainer, args, *, name: str, storage_path: str | None, r
         train_loop_config=config,
         scaling_config=scaling_config(args.scaling),
         run_config=RunConfig(name=name, storage_path=storage_path,
-                             failure_config=FailureConfig(max_failures=args.scaling.max_failures),
+                             failure_config=FailureConfig(
+                                 max_failures=args.scaling.max_failures,
+                                 max_preemption_failures=args.scaling.max_preemption_failures),
                              checkpoint_config=checkpoint_config, callbacks=callbacks),
         torch_config=_RaytrainTorchConfig(),
     )

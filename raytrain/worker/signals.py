@@ -14,7 +14,8 @@ step boundary, then the run is aborted so that Ray does not restart them.
 
 Trainer.train() called from Python (python_interrupts) behaves alike for Ctrl-C, in Python's terms:
 the first saves at the next step boundary, then KeyboardInterrupt is raised naming the checkpoint and
-`resume_from_checkpoint=...`; a second raises KeyboardInterrupt at once.
+`resume_from_checkpoint=...`; a second raises KeyboardInterrupt at once. With enable_jit_checkpoint,
+SIGTERM does the same and then raises SystemExit(143).
 """
 
 from __future__ import annotations
@@ -130,35 +131,48 @@ class StopOnSignal(TrainerCallback):
 def python_interrupts(trainer: TrainerProtocol):
     """Ctrl-C during an in-process Trainer.train() called from Python: save at the next step boundary
     (save_strategy permitting), then raise KeyboardInterrupt saying what was saved and how to continue;
-    a second Ctrl-C, or one outside the loop, raises KeyboardInterrupt at once. Only in the main thread
-    and over Python's default handler (the CLI, a sweep trial or an application keep theirs); the
-    default handler is back when train() returns or raises."""
-    if threading.current_thread() is not threading.main_thread() or \
-            signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+    a second Ctrl-C, or one outside the loop, raises KeyboardInterrupt at once. With
+    args.enable_jit_checkpoint, SIGTERM alike, then SystemExit(143). Only in the main thread and over
+    Python's default handlers (the CLI, a sweep trial or an application keep theirs); they are back
+    when train() returns or raises."""
+    defaults = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+    ours = [signal.SIGINT] + ([signal.SIGTERM] if getattr(trainer.args, "enable_jit_checkpoint", False) else [])
+    ours = [s for s in ours if signal.getsignal(s) is defaults[s]]
+    if threading.current_thread() is not threading.main_thread() or not ours:
         yield None
         return
     stop = StopRequest()
 
     def handler(signum, frame):
         if stop.signum is not None or not stop.training:
-            raise KeyboardInterrupt
+            _raise_for(signum)
         stop.signum = signum
-        sys.stderr.write("\nSIGINT: saving a checkpoint at the end of this step, then raising KeyboardInterrupt "
-                         "(press Ctrl-C again to interrupt at once)\n")
+        then = "raising KeyboardInterrupt (press Ctrl-C again to interrupt at once)" if signum == signal.SIGINT \
+            else "exiting with 143"
+        sys.stderr.write(f"\n{stop.name}: saving a checkpoint at the end of this step, then {then}\n")
         sys.stderr.flush()
 
     callback = StopOnSignal(stop)
     trainer.add_callback(callback)
-    signal.signal(signal.SIGINT, handler)
+    for s in ours:
+        signal.signal(s, handler)
     try:
         yield stop
     finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for s in ours:
+            signal.signal(s, defaults[s])
         trainer.remove_callback(callback)
     if stop.signum is not None:
         message = _stopped_message(trainer, stop)
         logger.warning(message)
-        raise KeyboardInterrupt(message)
+        _raise_for(stop.signum, message)
+
+
+def _raise_for(signum: int, message: str = ""):
+    """What Python does by default: KeyboardInterrupt for SIGINT; for SIGTERM the process ends (143)."""
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt(message) if message else KeyboardInterrupt
+    raise SystemExit(128 + signum)
 
 
 def _stopped_message(trainer: TrainerProtocol, stop: StopRequest) -> str:

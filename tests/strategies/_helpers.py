@@ -116,3 +116,35 @@ def run_backends(config: dict) -> dict:
         results[run["name"]] = {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
                                 "global_step": out.global_step}
     return results if int(os.environ.get("RANK", 0)) == 0 else None
+
+
+class PreemptionNotice(TrainerCallback):
+    """Simulates Ray's notice that rank 1's node is being drained, `seconds` ahead, after `step` (once:
+    a marker file per rank): every rank's train context gets what Ray's PreemptionWatcher gives it
+    through Worker.mark_preempt, and from there on everything is Ray's own (the workers' status
+    polls, the controller's PreemptingState, its PreemptionError at the deadline). Rank 0 appends the
+    step every attempt starts from to starts.txt. Notices are asked for at every step here."""
+
+    def __init__(self, step: int, seconds: float = 10.0):
+        self.step, self.seconds = step, seconds
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        os.environ["RAYTRAIN_PREEMPTION_POLL_S"] = "0"  # read by ray_worker.PreemptionCallback after this
+        if int(os.environ.get("RANK", 0)) == 0:
+            with open(os.path.join(args.output_dir, "starts.txt"), "a") as f:
+                f.write(f"{state.global_step}\n")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        import time
+
+        import ray
+        from ray.train import PreemptionInfo
+        from ray.train.v2._internal.execution.context import get_train_context
+
+        marker = os.path.join(args.output_dir, f"notice-rank{os.environ.get('RANK', 0)}.done")
+        if state.global_step != self.step or os.path.exists(marker):
+            return
+        open(marker, "w").close()
+        info = PreemptionInfo(deadline_ms=int((time.time() + self.seconds) * 1000),
+                              preempted_node_to_ranks={ray.get_runtime_context().get_node_id(): [1]})
+        get_train_context().preemption_context.preemption_info = info
