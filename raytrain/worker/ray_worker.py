@@ -108,8 +108,9 @@ class RayReportCallback(TrainerCallback):
             return  # the loop skipped this save: the step's checkpoint exists and was reported
         self.reported_step = state.global_step
         if self.reports_dir is None:  # a collective, as the writer's: found at the first save
-            rank, gather = self.strategy.rank, self.strategy.all_gather_object
-            self.reports_dir = self.strategy.world_size == 1 or disk_leaders(args.output_dir, rank, gather)[rank] == rank
+            rank, world = self.strategy.rank, self.strategy.world_size
+            leaders = [0] if world == 1 else disk_leaders(args.output_dir, rank, self.strategy.all_gather_object)
+            self.reports_dir = leaders[rank] == rank
         path = checkpoint_dir(args.output_dir, state.global_step)
         checkpoint = ray.train.Checkpoint.from_directory(path) if self.reports_dir else None
         last = state.log_history[-1] if state.log_history else {}

@@ -130,17 +130,29 @@ class SimCluster:
         self.wait_nodes(alive + 1)
 
     def alive_nodes(self) -> int:
+        """Alive nodes as the GCS lists them (0 while the GCS does not answer yet)."""
+        host, port = self.address.rsplit(":", 1)
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+        except OSError:
+            return 0
         code = ("import ray._raylet as r, sys; c = r.GcsClient(address=sys.argv[1]); "
                 "print(sum(n.state == 0 for n in c.get_all_node_info().values()))")
-        out = subprocess.run([sys.executable, "-c", code, self.address], env=self.env(), capture_output=True,
-                             text=True, timeout=60)
+        try:
+            out = subprocess.run([sys.executable, "-c", code, self.address], env=self.env(), capture_output=True,
+                                 text=True, timeout=30)
+        except subprocess.TimeoutExpired:
+            return 0
         return int(out.stdout.strip() or 0)
 
-    def wait_nodes(self, n: int, timeout: float = 120) -> None:
+    def wait_nodes(self, n: int, timeout: float = 180) -> None:
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.alive_nodes() >= n:
                 return
+            dead = [name for name, (proc, _) in self.nodes.items() if proc.poll() is not None]
+            if dead and dead[-1] == list(self.nodes)[-1]:
+                raise RuntimeError(f"node {dead[-1]} exited: see {self.base}/{dead[-1]}.log")
             time.sleep(1)
         raise TimeoutError(f"{n} alive node(s) expected; logs in {self.base}")
 

@@ -52,7 +52,8 @@ def _run(sim: SimCluster, name: str, output_dir: str, storage: str | None, timeo
 
 
 def _storage_checkpoints(storage: str) -> list[str]:
-    return sorted(p for p in glob.glob(os.path.join(storage, "*", "*")) if os.path.isfile(os.path.join(p, ckpt.MANIFEST)))
+    found = glob.glob(os.path.join(storage, "*", "*"))
+    return sorted(p for p in found if os.path.isfile(os.path.join(p, ckpt.MANIFEST)))
 
 
 def _every_rank_in_storage(storage: str) -> None:
@@ -85,12 +86,16 @@ def reference(cluster):
     return _run(cluster, "reference", os.path.join(cluster.base, "shared", "out"), os.path.join(cluster.storage, "ref"))
 
 
-@pytest.mark.timeout(120)
-def test_several_nodes_without_storage_path_are_refused_before_any_work(cluster, tmp_path):
+@pytest.mark.timeout(600)  # the module's cluster starts first
+def test_several_nodes_without_storage_path_are_refused_before_any_work(cluster):
     out_dir = os.path.join(cluster.local, "refused")
     result = os.path.join(cluster.base, "refused.json")
     proc = cluster.drive({"result": result, "output_dir": out_dir, "storage": None})
-    proc.wait(100)
+    try:
+        proc.wait(200)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
     with open(result) as f:
         error = json.load(f)["error"]
     assert error.startswith("ConfigError: scaling.storage_path is not set") and "\n" not in error
