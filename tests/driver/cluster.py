@@ -159,8 +159,12 @@ class SimCluster:
     def lose(self, ns: str) -> str:
         """SIGKILL the node whose mount namespace is `ns` (its tmpfs goes with it); its name."""
         name = next(n for n, (_, node_ns) in self.nodes.items() if node_ns == ns)
+        before = self.alive_nodes()
         kill_namespace(ns)
         self.nodes[name][0].wait(30)
+        deadline = time.time() + 60
+        while self.alive_nodes() >= before and time.time() < deadline:  # the GCS notices in ~2 s
+            time.sleep(0.5)
         return name
 
     def drive(self, spec: dict, timeout: float = 400) -> subprocess.Popen:
