@@ -124,10 +124,16 @@ class SimCluster:
                     f"--ray-client-server-port={_free_port()}", {**self.env(), **FAST_HEALTH_CHECKS}, False)
         self.wait_nodes(1)
 
-    def add_node(self, name: str) -> None:
+    def add_node(self, name: str, tries: int = 3) -> None:
+        """A worker node; started again (new ports) if `ray start` exits, e.g. on a port taken meanwhile."""
         alive = self.alive_nodes()
-        self._start(name, f"--address={self.address} --num-cpus=1 --resources='{{\"spot\": 1}}'", self.env(), True)
-        self.wait_nodes(alive + 1)
+        for attempt in range(tries):
+            self._start(name, f"--address={self.address} --num-cpus=1 --resources='{{\"spot\": 1}}'", self.env(), True)
+            try:
+                return self.wait_nodes(alive + 1)
+            except RuntimeError:
+                if attempt == tries - 1:
+                    raise
 
     def alive_nodes(self) -> int:
         """Alive nodes as the GCS lists them (0 while the GCS does not answer yet)."""
@@ -152,7 +158,9 @@ class SimCluster:
                 return
             dead = [name for name, (proc, _) in self.nodes.items() if proc.poll() is not None]
             if dead and dead[-1] == list(self.nodes)[-1]:
-                raise RuntimeError(f"node {dead[-1]} exited: see {self.base}/{dead[-1]}.log")
+                with open(os.path.join(self.base, f"{dead[-1]}.log"), "rb") as f:
+                    tail = f.read()[-1500:].decode(errors="replace")
+                raise RuntimeError(f"node {dead[-1]} exited:\n{tail}")
             time.sleep(1)
         raise TimeoutError(f"{n} alive node(s) expected; logs in {self.base}")
 
