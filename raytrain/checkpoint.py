@@ -26,9 +26,9 @@ from typing import Any, Callable
 import torch
 from safetensors import SafetensorError
 
-from .checkpoint_io import (ALGORITHMS, CHECKSUM, ChecksumMismatch, HostStaging, file_checksum, fsync_dir,
-                            fsync_file, lower_thread_priority, read_safetensors, save_pickle, write_json,
-                            write_safetensors)
+from .checkpoint_io import (ALGORITHMS, CHECKSUM, ChecksumMismatch, HostStaging, describe_files, disk_leaders,
+                            file_checksum, lower_thread_priority, read_safetensors, rename_into_place, save_pickle,
+                            write_json, write_safetensors)
 
 logger = logging.getLogger(__name__)
 
@@ -200,18 +200,20 @@ class CheckpointWriter:
     CPU priority; a synchronous save writes its files concurrently. A
     save that arrives while one is still being written waits for it (async_policy "wait"), or, when
     the caller asks `should_skip()` first (async_policy "skip"), is dropped. In distributed runs every
-    rank writes its own files into the shared temporary directory; after a barrier rank 0 writes the
-    manifest and renames. `barrier` is the strategy's barrier.
+    rank writes its own files into the temporary directory on its own disk (shared or node-local, detected);
+    rank 0 gathers every rank's manifest entries (`all_gather`) and writes the one manifest once all are written.
     """
 
     def __init__(self, output_dir: str, *, rank: int = 0, world_size: int = 1, strategy: str = "single",
                  barrier: Callable[[], None] = lambda: None, save_async: bool = False,
-                 max_shard_bytes: int | None = None, async_policy: str = "wait"):
+                 max_shard_bytes: int | None = None, async_policy: str = "wait",
+                 all_gather: Callable[[Any], list] | None = None):
         if async_policy not in ASYNC_POLICIES:
             raise ValueError(f"save_async_policy: {async_policy!r} is not one of {', '.join(map(repr, ASYNC_POLICIES))}")
         self.output_dir = output_dir
         self.rank, self.world_size, self.strategy = rank, world_size, strategy
-        self.barrier = barrier
+        self.barrier, self.all_gather = barrier, all_gather
+        self._leaders: list[int] | None = None
         self.max_shard_bytes = max_shard_bytes
         self.async_policy = async_policy
         background = save_async and world_size == 1  # distributed saves stay synchronous (see save)
@@ -239,7 +241,7 @@ class CheckpointWriter:
         self.wait()  # one save at a time: its temporary directory and host buffers are the next one's
         final = checkpoint_dir(self.output_dir, step)
         tmp = os.path.join(self.output_dir, f".tmp-{PREFIX}-{step}")
-        if self.rank == 0:
+        if self._disk_leaders()[self.rank] == self.rank:  # rank 0, and each other disk's first rank
             _remove_stale_temporaries(self.output_dir)  # leftovers of crashed saves
             os.makedirs(tmp)
         self.barrier()
@@ -279,12 +281,33 @@ class CheckpointWriter:
             ready()  # device-to-host copies have landed
         entries = self._write_files(tmp, payload)
         _maybe_pause(tmp, step)
-        self.barrier()
+        leaders = self._disk_leaders()
+        written = self._gather(entries)  # every rank's files are written and fsynced
+        lead = leaders[self.rank] == self.rank
+        mine = {k: v for r, e in enumerate(written) if leaders[r] == self.rank for k, v in e.items()}
+        files = describe_files(tmp, mine) if lead else None  # this disk's files, checksummed by their writers
+        if lead and self.rank != 0:  # no manifest on another disk: rank 0's lists every rank's files
+            rename_into_place(tmp, final)
+        described = self._gather(files)
         if self.rank == 0:
-            self._seal(step, tmp, final, entries)
-            if after is not None:
-                after(final)
+            self._seal(step, tmp, final, {k: v for f in described if f for k, v in f.items()})
+        if lead and after is not None:
+            after(final)
         self.barrier()
+
+    def _gather(self, obj: Any) -> list:
+        """Every rank's `obj` (a barrier); without all_gather, this rank's alone after a barrier."""
+        if self.all_gather is not None and self.world_size > 1:
+            return self.all_gather(obj)
+        self.barrier()
+        return [obj]
+
+    def _disk_leaders(self) -> list[int]:
+        """Each rank's disk leader (checkpoint_io.disk_leaders), found once; without all_gather, rank 0."""
+        if self._leaders is None:
+            one = self.all_gather is None or self.world_size == 1
+            self._leaders = [0] * self.world_size if one else disk_leaders(self.output_dir, self.rank, self.all_gather)
+        return self._leaders
 
     def _write_files(self, tmp: str, payload: CheckpointPayload) -> dict[str, dict]:
         """Every file of this rank, concurrently, largest first; {file: manifest entry}. Waits for all
@@ -304,34 +327,12 @@ class CheckpointWriter:
             entries.update(f.result())
         return entries
 
-    def _seal(self, step: int, tmp: str, final: str, entries: dict[str, dict]) -> None:
-        """Write the manifest (files checksummed while written are not read again), then rename."""
-        files = {}
-        for root, _, names in os.walk(tmp):
-            for name in names:
-                path = os.path.join(root, name)
-                rel = os.path.relpath(path, tmp)
-                entry = entries.get(rel)
-                if entry is None or entry["size"] != os.path.getsize(path):
-                    with open(path, "rb") as f:  # written by another rank or a backend
-                        fsync_file(f.fileno())
-                    entry = {"size": os.path.getsize(path), CHECKSUM: file_checksum(path)}
-                files[rel] = entry
+    def _seal(self, step: int, tmp: str, final: str, files: dict[str, dict]) -> None:
+        """Write the manifest of every rank's files (none read again), then rename into place."""
         manifest = {"format_version": FORMAT_VERSION, "checksum": CHECKSUM, "global_step": step,
                     "world_size": self.world_size, "strategy": self.strategy, "files": dict(sorted(files.items()))}
         write_json(manifest, os.path.join(tmp, MANIFEST))
-        fsync_dir(tmp)
-        if os.path.exists(final):
-            # Only reached when a step is saved again (a re-run over an old output_dir): move the old
-            # one aside first, so that a crash between the renames leaves a complete copy behind.
-            old = final + ".replaced"
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-        fsync_dir(self.output_dir)
+        rename_into_place(tmp, final)
 
 
 def _remove_stale_temporaries(output_dir: str) -> None:

@@ -14,6 +14,7 @@ import hashlib
 import json
 import mmap
 import os
+import shutil
 import struct
 import sys
 import threading
@@ -355,3 +356,61 @@ def lower_thread_priority(nice: int = 10) -> None:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
         except (OSError, AttributeError):
             pass
+
+
+# ---------------------------------------------------------------- several ranks, one or several disks
+
+
+def disk_leaders(directory: str, rank: int, all_gather: Callable[[Any], list]) -> list[int]:
+    """For each rank, the lowest rank that sees the same `directory` (a collective): all 0 on a disk
+    every rank shares, each node's first rank on node-local disks. Each rank writes a token file
+    named after itself and looks for the others' (a shared disk is detected, never assumed)."""
+    token = all_gather(os.urandom(8).hex())[0]  # rank 0's: a leftover from an earlier run never matches
+    world = len(all_gather(None))
+    os.makedirs(directory, exist_ok=True)
+    mine = os.path.join(directory, f".raytrain-disk-{rank}")
+    write_bytes(mine, [token.encode()])
+    all_gather(None)  # every rank's token file is written
+
+    def sees(r: int) -> bool:
+        try:
+            with open(os.path.join(directory, f".raytrain-disk-{r}")) as f:
+                return f.read() == token
+        except OSError:
+            return False
+
+    seen = all_gather([r for r in range(world) if r == rank or sees(r)])
+    os.remove(mine)
+    return [min(s) for s in seen]
+
+
+def describe_files(directory: str, entries: dict[str, dict]) -> dict[str, dict]:
+    """{relative path: manifest entry} of every file under `directory`; files missing from `entries`
+    (written by a backend) or of another size are fsynced and checksummed here."""
+    files = {}
+    for root, _, names in os.walk(directory):
+        for name in names:
+            path = os.path.join(root, name)
+            rel = os.path.relpath(path, directory)
+            entry = entries.get(rel)
+            if entry is None or entry["size"] != os.path.getsize(path):
+                with open(path, "rb") as f:
+                    fsync_file(f.fileno())
+                entry = {"size": os.path.getsize(path), CHECKSUM: file_checksum(path)}
+            files[rel] = entry
+    return files
+
+
+def rename_into_place(tmp: str, final: str) -> None:
+    """Rename a complete temporary directory to `final`. A step saved again (a re-run over an old
+    output_dir) moves the old one aside first: a crash between the renames leaves a complete copy."""
+    fsync_dir(tmp)
+    if os.path.exists(final):
+        old = final + ".replaced"
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    fsync_dir(os.path.dirname(final))

@@ -89,6 +89,7 @@ def run_distributed(trainer, resume_from_checkpoint=None) -> TrainOutput:
 
     args = trainer.args
     ensure_ray()
+    check_storage(args.scaling)
     worker_args = copy.deepcopy(args)
     # Ray Train moves workers into the run's directory: every path they get must be absolute.
     worker_args.output_dir = os.path.abspath(args.output_dir)
@@ -111,6 +112,24 @@ def run_distributed(trainer, resume_from_checkpoint=None) -> TrainOutput:
         for stream in blocks.values():  # Ray Data stops if it still runs; the blocks are let go
             stream.close()
     return _apply_result(trainer, result.return_value)
+
+
+def check_storage(scaling) -> None:
+    """Several nodes that can run workers need scaling.storage_path: each rank's share of a checkpoint
+    stays on its own node's disk otherwise, out of reach of a worker restarted elsewhere."""
+    import ray
+
+    if scaling.storage_path is not None:
+        return
+    need = dict(scaling.resources_per_worker or {"CPU": 1})
+    if scaling.use_gpu:
+        need.setdefault("GPU", 1)
+    nodes = [n for n in ray.nodes() if n.get("Alive")
+             and all(n.get("Resources", {}).get(k, 0) >= v for k, v in need.items() if v)]
+    if len(nodes) > 1:
+        raise ConfigError(f"scaling.storage_path is not set, but the Ray cluster has {len(nodes)} nodes that can run "
+                          "workers: set it to storage every node reaches (a shared directory, or a URI such as "
+                          "s3://bucket/runs), so that a worker restarted on another node finds every rank's checkpoint")
 
 
 def _apply_result(trainer, value: dict) -> TrainOutput:

@@ -136,7 +136,8 @@ def _setup(trainer: TrainerProtocol) -> RunState:
             os.makedirs(args.output_dir, exist_ok=True)
         writer = ckpt.CheckpointWriter(args.output_dir, rank=strategy.rank, world_size=strategy.world_size,
                                        strategy=strategy.name, barrier=strategy.barrier,
-                                       save_async=args.save_async, async_policy=args.save_async_policy)
+                                       save_async=args.save_async, async_policy=args.save_async_policy,
+                                       all_gather=strategy.all_gather_object)
     return RunState(trainer, strategy, data, steps_per_epoch, n_batches, writer=writer,
                     tr_loss=torch.zeros((), device=strategy.device))
 

@@ -28,6 +28,7 @@ import torch
 from ..callbacks import TrainerCallback
 from ..callbacks.progress import ProgressFeeder, plain_logs, progress_callbacks
 from ..checkpoint import checkpoint_dir
+from ..checkpoint_io import disk_leaders
 from .resume import restart_point
 
 if TYPE_CHECKING:
@@ -145,11 +146,13 @@ def _preemption_info():
 
 class RayReportCallback(TrainerCallback):
     """Every log goes to ray.train.report on every rank (Ray requires it; rank 0's metrics are the
-    run's); every save is reported as a ray.train.Checkpoint by rank 0, the others report None."""
+    run's); every save is reported as a ray.train.Checkpoint by each disk's first rank (rank 0 alone
+    on a shared disk; every rank on node-local ones), which Ray merges into one directory in storage."""
 
-    def __init__(self, rank: int):
-        self.rank = rank
+    def __init__(self, strategy):
+        self.strategy = strategy
         self.reported_step = -1
+        self.reports_dir: bool | None = None
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         import ray.train
@@ -162,8 +165,12 @@ class RayReportCallback(TrainerCallback):
         if state.global_step == self.reported_step:
             return  # the loop skipped this save: the step's checkpoint exists and was reported
         self.reported_step = state.global_step
+        if self.reports_dir is None:  # a collective, as the writer's: found at the first save
+            rank, world = self.strategy.rank, self.strategy.world_size
+            leaders = [0] if world == 1 else disk_leaders(args.output_dir, rank, self.strategy.all_gather_object)
+            self.reports_dir = leaders[rank] == rank
         path = checkpoint_dir(args.output_dir, state.global_step)
-        checkpoint = ray.train.Checkpoint.from_directory(path) if self.rank == 0 else None
+        checkpoint = ray.train.Checkpoint.from_directory(path) if self.reports_dir else None
         last = state.log_history[-1] if state.log_history else {}
         ray.train.report({**plain_logs(last), "step": state.global_step, "checkpoint_step": state.global_step},
                          checkpoint=checkpoint)
@@ -221,7 +228,7 @@ def train_loop_per_worker(config: dict) -> dict | None:
     strategy = trainer.get_strategy()  # rank and world from torch.distributed, set up by TorchTrainer
     preemption = PreemptionCallback(strategy)
     trial = config.get("trial")  # a sweep trial's reporter (raytrain.sweep.search) reports evaluations instead
-    trainer.add_callback(trial if trial is not None else RayReportCallback(strategy.rank))
+    trainer.add_callback(trial if trial is not None else RayReportCallback(strategy))
     if config.get("progress") is not None:  # the driver draws the progress; the workers print none of it
         for cb in progress_callbacks(trainer.callback_handler.callbacks):
             trainer.remove_callback(cb)
@@ -251,10 +258,9 @@ def train_loop_per_worker(config: dict) -> dict | None:
 
 
 def _resume_point(strategy, output_dir: str, config: dict, ray_path: str | None):
-    """Where this attempt starts: resume.restart_point decides on rank 0 (Ray's latest registered
-    checkpoint or output_dir's newest after a restart, else the driver's resume_from_checkpoint)."""
-    choice = restart_point(output_dir, config["run"], ray_path) if strategy.is_main else None
-    kind, path = strategy.broadcast_object(choice)
+    """Where this attempt starts: resume.restart_point (every rank takes part) picks Ray's latest
+    registered checkpoint or output_dir's newest after a restart, else the driver's resume_from_checkpoint."""
+    kind, path = restart_point(output_dir, config["run"], ray_path, strategy.all_gather_object)
     if kind == "reported":
         return ray_path  # this rank's own copy of Ray's checkpoint
     return path if kind == "local" else config.get("resume_from_checkpoint")

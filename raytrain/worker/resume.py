@@ -138,19 +138,43 @@ def choose(own_dir: str | None, clone: str | None = None, reported: str | None =
     return found[0] if len(found) == 1 else max(found, key=lambda c: _step(c[1]))
 
 
-def restart_point(output_dir: str, run_id: str, reported: str | None) -> tuple[str, str | None]:
-    """Where an attempt of Ray Train run `run_id` starts (rank 0 decides): after a restart, choose's
-    pick of Ray's checkpoint (`reported`) and output_dir's newest; on the first attempt, Ray's
-    checkpoint if any, else ("asked", None): the driver's resume_from_checkpoint."""
+def restart_point(output_dir: str, run_id: str, reported: str | None, all_gather=None) -> tuple[str, str | None]:
+    """Where an attempt of Ray Train run `run_id` starts; every rank calls it (`all_gather`: the
+    strategy's). After a restart (rank 0's marker says so), the newer of Ray's checkpoint (`reported`;
+    it wins a tie) and rank 0's newest local one, which counts only if every rank verifies it on its
+    own disk (a node-local one holds that rank's files alone); on the first attempt, Ray's checkpoint if
+    any, else ("asked", None): the driver's resume_from_checkpoint. Every rank gets rank 0's answer."""
+    gather = all_gather or (lambda obj: [obj])
     marker = os.path.join(output_dir, RUN_MARKER)
-    restarted = _read_marker(marker) == run_id
+    restarted = gather(_read_marker(marker) == run_id)[0]  # every rank reads before any rank writes
     os.makedirs(output_dir, exist_ok=True)
-    with open(marker, "w") as f:
+    tmp = f"{marker}.{os.urandom(4).hex()}"  # every rank writes it (its own disk, or a shared one: atomically)
+    with open(tmp, "w") as f:
         json.dump({"run": run_id}, f)
-    kind, path = choose(output_dir if restarted else None, reported=reported)
+    os.replace(tmp, marker)
+    local = gather(ckpt.get_last_checkpoint(output_dir) if restarted else None)[0]
+    if local is not None and not all(gather(_complete_here(local))):
+        logger.warning("restart: %s is not complete on every rank's disk (node-local output_dir): "
+                       "resuming from Ray's checkpoint instead", local)
+        local = None
+    found = [(kind, path) for kind, path in (("reported", reported), ("local", local)) if path]
+    kind, path = max(found, key=lambda c: _step(c[1])) if found else ("asked", None)
+    kind, path = gather((kind, path))[0]
     if kind != "asked":
-        logger.warning("restart: resuming from %s (step %d)", path, _step(path))
+        own = reported if kind == "reported" else path
+        logger.warning("restart: resuming from %s (step %d)", own, _step(own))
     return kind, path
+
+
+def _complete_here(path: str) -> bool:
+    """Every file of the manifest present here with its size (rank 0 checksummed them; each rank
+    checks the checksums again when it resumes)."""
+    try:
+        files = ckpt.read_manifest(path)["files"]
+    except ckpt.CheckpointError:
+        return False
+    return all(os.path.isfile(p := os.path.join(path, rel)) and os.path.getsize(p) == meta.get("size")
+               for rel, meta in files.items())
 
 
 def _read_marker(path: str) -> str | None:

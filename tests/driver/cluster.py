@@ -1,0 +1,262 @@
+"""A Ray cluster of several nodes on this one machine, each worker node with a private disk.
+
+Every node is a `ray start --block` in its own mount namespace (`unshare -m`); a worker node mounts a
+tmpfs over `local/` first, so each sees its own, empty `local/` at the same path (the node-local
+output_dir's parent) while `storage/` (host /tmp) stands in for NFS or S3. A node is lost by SIGKILLing
+every process of its namespace (its tmpfs goes with it). Nothing here runs `ray stop`, which would
+kill every Ray process on the machine: cleanup kills this cluster's namespaces only, by PID.
+
+The driver of a training run is a subprocess (`python -m tests.driver.cluster SPEC`): the pytest
+process keeps its own session cluster.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+from raytrain import TrainerCallback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Ray notices a lost node in about 2 s instead of 15 (read by the GCS only).
+FAST_HEALTH_CHECKS = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "2",
+                      "RAY_health_check_timeout_ms": "1000", "RAY_health_check_initial_delay_ms": "1000"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def _free_range(n: int = 60) -> tuple[int, int]:
+    """n consecutive free ports (each node's worker ports), probed at random in 20000-45000."""
+    for _ in range(200):
+        start = random.randrange(20000, 45000 - n)
+        try:
+            socks = []
+            for port in range(start, start + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("", port))
+            return start, start + n - 1
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no range of free ports")
+
+
+def _mount_ns(pid: int) -> str | None:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/mnt")
+    except OSError:
+        return None
+
+
+def kill_namespace(ns: str) -> None:
+    """SIGKILL every process in mount namespace `ns` (never this process's own)."""
+    if ns is None or ns == _mount_ns(os.getpid()):
+        return
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and _mount_ns(int(entry)) == ns:
+            try:
+                os.kill(int(entry), signal.SIGKILL)
+            except OSError:
+                pass
+
+
+class SimCluster:
+    """A head (no CPUs) and worker nodes started one at a time, each with `spot: 1` (one worker each)."""
+
+    def __init__(self):
+        self.base = tempfile.mkdtemp(prefix="rtspot", dir="/tmp")  # short: Ray's socket paths < 107 bytes
+        self.local, self.storage = os.path.join(self.base, "local"), os.path.join(self.base, "storage")
+        self.temp_dir, self.ray_tmp = os.path.join(self.base, "t"), os.path.join(self.base, "rt")
+        for d in (self.local, self.storage, self.temp_dir, self.ray_tmp):
+            os.makedirs(d)
+        self.address = f"{socket.gethostbyname(socket.gethostname())}:{_free_port()}"
+        self.nodes: dict[str, tuple[subprocess.Popen, str | None]] = {}
+        self.logs: list = []
+
+    def env(self) -> dict:
+        """For every node and the driver: token auth (an explicit address does not turn it on), this
+        cluster's address (Ray Train's state API would otherwise see other clusters on the machine)."""
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") or k == "RAY_AUTH_TOKEN"}
+        pythonpath = [ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+        env.update(RAY_AUTH_MODE="token", RAY_USAGE_STATS_ENABLED="0", RAY_TMPDIR=self.ray_tmp,
+                   RAY_ADDRESS=self.address, PYTHONPATH=os.pathsep.join(dict.fromkeys(pythonpath)),
+                   RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO="0", DS_ACCELERATOR="cpu")
+        return env
+
+    def _start(self, name: str, ray_args: str, env: dict, private_disk: bool) -> None:
+        lo, hi = _free_range()
+        ray = os.path.join(os.path.dirname(sys.executable), "ray")
+        cmd = (f"exec {ray} start --block --temp-dir={self.temp_dir} --disable-usage-stats "
+               f"--dashboard-agent-listen-port={_free_port()} --min-worker-port={lo} --max-worker-port={hi} "
+               f"{ray_args}")
+        if private_disk:
+            cmd = f"mount -t tmpfs tmpfs {self.local} && {cmd}"
+        log = open(os.path.join(self.base, f"{name}.log"), "ab")
+        self.logs.append(log)
+        proc = subprocess.Popen(["setsid", "unshare", "-m", "--propagation", "private", "sh", "-c", cmd],
+                                stdout=log, stderr=subprocess.STDOUT, env=env)
+        ns = None
+        for _ in range(100):  # the namespace exists once unshare has run
+            ns = _mount_ns(proc.pid)
+            if ns is not None and ns != _mount_ns(os.getpid()):
+                break
+            time.sleep(0.05)
+        self.nodes[name] = (proc, ns)
+
+    def start_head(self) -> None:
+        port = self.address.rsplit(":", 1)[1]
+        self._start("head", f"--head --port={port} --num-cpus=0 --include-dashboard=false "
+                    f"--ray-client-server-port={_free_port()}", {**self.env(), **FAST_HEALTH_CHECKS}, False)
+        self.wait_nodes(1)
+
+    def add_node(self, name: str, tries: int = 3) -> None:
+        """A worker node; started again (new ports) if `ray start` exits, e.g. on a port taken meanwhile."""
+        alive = self.alive_nodes()
+        for attempt in range(tries):
+            self._start(name, f"--address={self.address} --num-cpus=1 --resources='{{\"spot\": 1}}'", self.env(), True)
+            try:
+                return self.wait_nodes(alive + 1)
+            except RuntimeError:
+                if attempt == tries - 1:
+                    raise
+
+    def alive_nodes(self) -> int:
+        """Alive nodes as the GCS lists them (0 while the GCS does not answer yet)."""
+        host, port = self.address.rsplit(":", 1)
+        try:
+            socket.create_connection((host, int(port)), timeout=1).close()
+        except OSError:
+            return 0
+        code = ("import ray._raylet as r, sys; c = r.GcsClient(address=sys.argv[1]); "
+                "print(sum(n.state == 0 for n in c.get_all_node_info().values()))")
+        try:
+            out = subprocess.run([sys.executable, "-c", code, self.address], env=self.env(), capture_output=True,
+                                 text=True, timeout=30)
+        except subprocess.TimeoutExpired:
+            return 0
+        return int(out.stdout.strip() or 0)
+
+    def wait_nodes(self, n: int, timeout: float = 180) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.alive_nodes() >= n:
+                return
+            dead = [name for name, (proc, _) in self.nodes.items() if proc.poll() is not None]
+            if dead and dead[-1] == list(self.nodes)[-1]:
+                with open(os.path.join(self.base, f"{dead[-1]}.log"), "rb") as f:
+                    tail = f.read()[-1500:].decode(errors="replace")
+                raise RuntimeError(f"node {dead[-1]} exited:\n{tail}")
+            time.sleep(1)
+        raise TimeoutError(f"{n} alive node(s) expected; logs in {self.base}")
+
+    def lose(self, ns: str) -> str:
+        """SIGKILL the node whose mount namespace is `ns` (its tmpfs goes with it); its name."""
+        name = next(n for n, (_, node_ns) in self.nodes.items() if node_ns == ns)
+        before = self.alive_nodes()
+        kill_namespace(ns)
+        self.nodes[name][0].wait(30)
+        deadline = time.time() + 60
+        while self.alive_nodes() >= before and time.time() < deadline:  # the GCS notices in ~2 s
+            time.sleep(0.5)
+        return name
+
+    def drive(self, spec: dict, timeout: float = 400) -> subprocess.Popen:
+        """Start a driver (this module's main) for `spec`; its result goes to spec["result"]."""
+        path = spec["result"] + ".spec.json"
+        with open(path, "w") as f:
+            json.dump({**spec, "address": self.address}, f)
+        log = open(spec["result"] + ".log", "wb")
+        self.logs.append(log)
+        return subprocess.Popen([sys.executable, "-m", "tests.driver.cluster", path], cwd=ROOT, env=self.env(),
+                                stdout=log, stderr=subprocess.STDOUT)
+
+    def close(self) -> None:
+        for proc, ns in self.nodes.values():
+            kill_namespace(ns)
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except OSError:
+                pass
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                pass
+        for log in self.logs:
+            log.close()
+        for record in (os.path.join(self.temp_dir, "ray_current_cluster"),
+                       os.path.join(self.ray_tmp, "ray", "ray_current_cluster")):
+            if os.path.exists(record):
+                os.remove(record)
+        shutil.rmtree(self.base, ignore_errors=True)
+
+
+# ---------------------------------------------------------------- the driver (a subprocess)
+
+
+class PauseOnce(TrainerCallback):
+    """On `rank`, after `step` of the first attempt: record this process's mount namespace (which
+    node to lose) in `flag`, then wait to be killed with the node."""
+
+    def __init__(self, rank: int, step: int, flag: str):
+        self.rank, self.step, self.flag = rank, step, flag
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if int(os.environ.get("RANK", 0)) == self.rank and state.global_step == self.step \
+                and not os.path.exists(self.flag):
+            with open(self.flag + ".tmp", "w") as f:
+                f.write(_mount_ns(os.getpid()))
+            os.replace(self.flag + ".tmp", self.flag)
+            time.sleep(600)
+
+
+def main(spec_path: str) -> None:
+    """Train the digits job on the cluster at spec["address"]; write losses, a digest of the final
+    weights and what the driver's output_dir holds to spec["result"]."""
+    with open(spec_path) as f:
+        spec = json.load(f)
+    import ray
+
+    env = {k: os.environ[k] for k in ("PYTHONPATH", "RAY_ADDRESS", "RAY_AUTH_MODE", "DS_ACCELERATOR")}
+    ray.init(address=spec["address"], log_to_driver=False, runtime_env={"env_vars": env})
+    from examples.digits import build_datasets
+    from raytrain import Trainer
+    from tests.strategies._helpers import digits_args, digits_model, state_digest
+
+    train, _ = build_datasets()
+    args = digits_args(spec["output_dir"], spec.get("storage"), max_steps=20, logging_steps=1, save_steps=5,
+                       scaling={"max_failures": spec.get("max_failures", 0),
+                                "resources_per_worker": {"CPU": 1, "spot": 1}},
+                       distributed={"strategy": spec.get("strategy", "ddp")})
+    callbacks = [PauseOnce(**spec["pause"])] if spec.get("pause") else []
+    result: dict = {}
+    try:
+        trainer = Trainer(digits_model(), args, train_dataset=train, callbacks=callbacks)
+        out = trainer.train()
+        trainer.save_model(os.path.join(spec["output_dir"], "final"))
+        trainer.save_state()
+        result = {"global_step": out.global_step, "digest": state_digest(trainer.model.state_dict()),
+                  "logs": [h for h in trainer.state.log_history if "loss" in h],
+                  "output_dir": sorted(os.listdir(spec["output_dir"]))}
+    except Exception as e:  # noqa: BLE001 - the test asserts on it
+        result = {"error": f"{type(e).__name__}: {e}"}
+    with open(spec["result"], "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,153 @@
+"""Spot clusters without a shared filesystem: every node has its own disk (a node-local output_dir),
+scaling.storage_path is storage every node reaches, and a node can be lost with its disk.
+
+One simulated cluster (tests/driver/cluster.py: a head and worker nodes in their own mount namespaces,
+each with a private tmpfs at the output_dir's parent) serves the module; each run's driver is a
+subprocess. Runs: 20 DDP steps of the digits job on 2 workers (one per node), a checkpoint every 5.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import time
+
+import pytest
+
+from raytrain import checkpoint as ckpt
+from tests.driver.cluster import SimCluster
+
+pytestmark = [pytest.mark.ray, pytest.mark.skipif(os.geteuid() != 0, reason="mount namespaces need root")]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    sim = SimCluster()
+    try:
+        sim.start_head()
+        sim.add_node("a")  # one at a time: nodes joining together race for the head's session
+        sim.add_node("b")
+        yield sim
+    finally:
+        sim.close()
+
+
+def _run(sim: SimCluster, name: str, output_dir: str, storage: str | None, timeout: float = 420,
+         during=None, **spec) -> dict:
+    """A driver for one run; `during(sim, proc)` acts on the cluster while it trains."""
+    result = os.path.join(sim.base, f"{name}.json")
+    proc = sim.drive({"result": result, "output_dir": output_dir, "storage": storage, **spec})
+    try:
+        if during is not None:
+            during(sim, proc)
+        proc.wait(timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    with open(result) as f:
+        out = json.load(f)
+    assert "error" not in out, out["error"]
+    return out
+
+
+def _storage_checkpoints(storage: str) -> list[str]:
+    found = glob.glob(os.path.join(storage, "*", "*"))
+    return sorted(p for p in found if os.path.isfile(os.path.join(p, ckpt.MANIFEST)))
+
+
+def _every_rank_in_storage(storage: str) -> None:
+    """Each checkpoint in Ray's storage holds every rank's files and verifies against its manifest."""
+    found = _storage_checkpoints(storage)
+    assert found, os.listdir(storage)
+    for path in found:
+        manifest = ckpt.verify_checkpoint(path)
+        assert {"rng_state_0.pth", "rng_state_1.pth", ckpt.WEIGHTS, ckpt.TRAINER_STATE} <= set(manifest["files"])
+
+
+def _lose_node_at(flag: str, replacement: str):
+    """Once the paused rank has written `flag` (its mount namespace), lose its node, add another."""
+
+    def during(sim, proc):
+        deadline = time.time() + 400
+        while not os.path.exists(flag):
+            assert proc.poll() is None and time.time() < deadline, "the rank never reached its pause"
+            time.sleep(0.5)
+        with open(flag) as f:
+            sim.lose(f.read())
+        sim.add_node(replacement)
+
+    return during
+
+
+@pytest.fixture(scope="module")
+def reference(cluster):
+    """The uninterrupted run with its output_dir on a disk every node shares."""
+    return _run(cluster, "reference", os.path.join(cluster.base, "shared", "out"), os.path.join(cluster.storage, "ref"))
+
+
+@pytest.mark.timeout(600)  # the module's cluster starts first
+def test_several_nodes_without_storage_path_are_refused_before_any_work(cluster):
+    out_dir = os.path.join(cluster.local, "refused")
+    result = os.path.join(cluster.base, "refused.json")
+    proc = cluster.drive({"result": result, "output_dir": out_dir, "storage": None})
+    try:
+        proc.wait(200)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    with open(result) as f:
+        error = json.load(f)["error"]
+    assert error.startswith("ConfigError: scaling.storage_path is not set") and "\n" not in error
+    assert "2 nodes" in error and not os.path.exists(out_dir)  # refused before any work
+
+
+@pytest.mark.timeout(900)
+def test_node_local_output_dir_trains_as_on_a_shared_disk(cluster, reference):
+    """Rank 1 writes into a temporary directory on its own node (old code: FileNotFoundError at the
+    second checkpoint); Ray merges both ranks' directories in storage; the driver ends with the
+    weights, trainer_state.json and final/ in its own output_dir."""
+    out_dir = os.path.join(cluster.local, "out")
+    storage = os.path.join(cluster.storage, "local")
+    run = _run(cluster, "local", out_dir, storage)
+    assert run["global_step"] == 20 and run["digest"] == reference["digest"]
+    assert run["logs"] == reference["logs"] and len(run["logs"]) == 20
+    assert {"final", "trainer_state.json"} <= set(run["output_dir"])
+    _every_rank_in_storage(storage)
+
+
+@pytest.mark.timeout(900)
+def test_losing_rank_1s_node_resumes_from_storage_bit_exact(cluster, reference):
+    """Rank 1's node (and its disk) is lost after step 12; a new node joins; the restarted group
+    (max_failures) resumes from Ray's checkpoint-10, which holds rank 1's files too (old code:
+    "not a checkpoint directory"), and ends bit for bit as the uninterrupted run."""
+    flag = os.path.join(cluster.storage, "lose-rank1")
+    storage = os.path.join(cluster.storage, "lost")
+    run = _run(cluster, "lost", os.path.join(cluster.local, "lost"), storage, during=_lose_node_at(flag, "c"),
+               max_failures=1, pause={"rank": 1, "step": 12, "flag": flag})
+    assert run["global_step"] == 20 and run["digest"] == reference["digest"]
+    assert run["logs"] == reference["logs"]
+    assert {"final", "trainer_state.json"} <= set(run["output_dir"])
+    _every_rank_in_storage(storage)
+
+
+@pytest.mark.timeout(900)
+def test_fsdp_losing_rank_0s_node_resumes_from_storage(cluster, reference):
+    """FSDP2: each rank's optimizer shard (dcp/) is on its own node; rank 0's node is lost after step
+    12; the restarted group reads both shards from Ray's checkpoint and ends where the DDP run does
+    (to float rounding: FSDP reduces gradients in another order)."""
+    import torch
+
+    flag = os.path.join(cluster.storage, "lose-rank0")
+    storage = os.path.join(cluster.storage, "fsdp")
+    out_dir = os.path.join(cluster.local, "fsdp")
+    run = _run(cluster, "fsdp", out_dir, storage, during=_lose_node_at(flag, "d"), max_failures=1,
+               strategy="fsdp", pause={"rank": 0, "step": 12, "flag": flag})
+    assert run["global_step"] == 20
+    assert [h["loss"] for h in run["logs"]] == pytest.approx([h["loss"] for h in reference["logs"]], rel=1e-5)
+    ref = ckpt.load_weights(os.path.join(cluster.base, "shared", "out", "final"))
+    got = ckpt.load_weights(os.path.join(out_dir, "final"))
+    assert ref.keys() == got.keys() and all(torch.allclose(got[k], ref[k], atol=1e-6) for k in ref)
+    _every_rank_in_storage(storage)
+    shards = set(os.listdir(os.path.join(_storage_checkpoints(storage)[-1], "dcp")))
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= shards
