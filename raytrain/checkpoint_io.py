@@ -365,8 +365,8 @@ def disk_leaders(directory: str, rank: int, all_gather: Callable[[Any], list]) -
     """For each rank, the lowest rank that sees the same `directory` (a collective): all 0 on a disk
     every rank shares, each node's first rank on node-local disks. Each rank writes a token file
     named after itself and looks for the others' (a shared disk is detected, never assumed)."""
-    token = all_gather(os.urandom(8).hex())[0]  # rank 0's: a leftover from an earlier run never matches
-    world = len(all_gather(None))
+    tokens = all_gather(os.urandom(8).hex())
+    token, world = tokens[0], len(tokens)  # rank 0's token: a leftover from an earlier run never matches
     os.makedirs(directory, exist_ok=True)
     mine = os.path.join(directory, f".raytrain-disk-{rank}")
     write_bytes(mine, [token.encode()])
