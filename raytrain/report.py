@@ -55,11 +55,6 @@ def _trainer_state(output_dir: str) -> str | None:
     return None
 
 
-def _best_step(state_path: str) -> int | None:
-    with open(state_path) as f:
-        return json.load(f).get("best_global_step")
-
-
 def write_report(directory: str, out: str | None = None) -> list[str]:
     """Write the PNGs for a training run or a search directory; return their paths."""
     if not os.path.isdir(directory):
@@ -68,11 +63,12 @@ def write_report(directory: str, out: str | None = None) -> list[str]:
     state = _trainer_state(directory)
     if state is not None:
         with open(state) as f:
-            curves = training_curves(json.load(f).get("log_history", []))
+            saved = json.load(f)
+        curves = training_curves(saved.get("log_history", []))
         if not curves:
             raise ReportError(f"{state}: log_history has no loss, learning_rate, grad_norm or eval metric yet")
         os.makedirs(out, exist_ok=True)
-        best = _best_step(state)
+        best = saved.get("best_global_step")
         written = [plots.figure({k: v}, k, os.path.join(out, f"{k}.png"), best_step=best if k.startswith("eval_")
                                 else None) for k, v in curves.items()]
         written.append(plots.overview(curves, os.path.join(out, "overview.png"), os.path.basename(
