@@ -42,3 +42,16 @@ def _one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Ray tests first (a stable sort): under pytest-xdist the long ones start early and the quick
+    in-process tests fill both workers at the end, instead of one Ray test running on alone."""
+    def slow(item) -> bool:
+        return item.get_closest_marker("ray") is not None or "ray_cluster" in getattr(item, "fixturenames", ())
+
+    def budget(item) -> float:  # a test's own timeout marks it as one of the longest
+        marker = item.get_closest_marker("timeout")
+        return float(marker.args[0]) if marker and marker.args else 0.0
+
+    items.sort(key=lambda item: (not (slow(item) or budget(item)), -budget(item)))

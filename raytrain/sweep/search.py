@@ -116,6 +116,23 @@ def _search_class():
     return _Search
 
 
+def _pbt_class():
+    from ray.tune.schedulers import PopulationBasedTraining
+
+    class PBT(PopulationBasedTraining):
+        """Ray's PBT, less a race: a trial exploited while its last result's checkpoint is still being
+        saved keeps a cached STOP in Tune's controller (pause_trial drops the cached decision, then its
+        stop re-caches one because the trial is saving), and Tune applies it to the first result after the
+        restart: the trial ended at its next evaluation instead of its max_steps. The clone starts
+        anew, so no decision of its former run applies."""
+
+        def _exploit(self, tune_controller, trial, trial_to_clone):
+            super()._exploit(tune_controller, trial, trial_to_clone)
+            getattr(tune_controller, "_cached_trial_decisions", {}).pop(trial.trial_id, None)
+
+    return PBT
+
+
 def _scheduler(name: str | None, mutations: dict | None, kwargs: dict):
     from ray.tune import schedulers as s
 
@@ -133,8 +150,8 @@ def _scheduler(name: str | None, mutations: dict | None, kwargs: dict):
         return s.MedianStoppingRule(**{"grace_period": 1, "min_samples_required": 2, "time_attr": "training_iteration",
                                        **kwargs})
     if name == "pbt":
-        return s.PopulationBasedTraining(hyperparam_mutations=mutations,
-                                         **{"time_attr": "training_iteration", "perturbation_interval": 2, **kwargs})
+        return _pbt_class()(hyperparam_mutations=mutations,
+                            **{"time_attr": "training_iteration", "perturbation_interval": 2, **kwargs})
     raise ConfigError(f"scheduler: must be one of {', '.join(SCHEDULERS)}, got {name!r}")
 
 

@@ -12,7 +12,7 @@ import torch
 
 from raytrain import Trainer, TrainOutput, load_weights
 from raytrain.driver.torch_trainer import worker_error
-from tests.strategies._helpers import FaultInjector, WeightsProbe, digits_args, digits_model, state_digest
+from tests.strategies._helpers import FaultInjector, digits_args, digits_model, state_digest
 
 pytestmark = pytest.mark.ray
 
@@ -26,18 +26,7 @@ def _starts(output_dir) -> list[int]:
         return [int(line) for line in f]
 
 
-@pytest.fixture(scope="module")
-def ddp_run(ray_cluster, tmp_path_factory):
-    """The uninterrupted 2-worker run every test here compares with."""
-    from examples.digits import build_datasets
-
-    root = tmp_path_factory.mktemp("ddp")
-    train, _ = build_datasets()
-    trainer = Trainer(digits_model(), digits_args(str(root / "out"), str(root / "ray")),
-                      train_dataset=train, callbacks=[WeightsProbe()])
-    return root / "out", trainer, trainer.train()
-
-
+@pytest.mark.xdist_group("ddp_run")
 @pytest.mark.timeout(300)
 def test_ddp_two_workers_equals_one_process(ddp_run, digits, tmp_path):
     out_dir, trainer, out = ddp_run
@@ -70,6 +59,7 @@ def test_ddp_two_workers_equals_one_process(ddp_run, digits, tmp_path):
     assert evaluated == pytest.approx(single.evaluate(eval_dataset=digits[1])["eval_loss"], rel=1e-4)
 
 
+@pytest.mark.xdist_group("ddp_run")
 def test_two_workers_checkpoint_resumes_on_one(ddp_run, digits, tmp_path, caplog):
     """2 workers -> 1: weights and optimizer state carry over; the data order change is warned about."""
     out_dir, _, _ = ddp_run
@@ -82,6 +72,7 @@ def test_two_workers_checkpoint_resumes_on_one(ddp_run, digits, tmp_path, caplog
     assert _losses(trainer)[-1] < _losses(trainer)[0]
 
 
+@pytest.mark.xdist_group("ddp_run")
 @pytest.mark.timeout(300)
 def test_sigkill_and_sigterm_restart_the_group_and_end_bit_exact(ddp_run, digits, tmp_path):
     """One run, two faults (a TorchTrainer start costs ~25 s here, so they share one):

@@ -17,15 +17,15 @@ import sys
 import pytest
 
 from raytrain import Trainer
-from tests.driver.test_launch import ddp_run  # noqa: F401 - the uninterrupted run to compare with
 from tests.strategies._helpers import PreemptionNotice, digits_args, digits_model, state_digest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @pytest.mark.ray
+@pytest.mark.xdist_group("ddp_run")  # shares test_launch's ddp_run on one xdist worker
 @pytest.mark.timeout(400)
-def test_a_preemption_notice_saves_stops_and_restarts_bit_exact(ddp_run, digits, tmp_path):  # noqa: F811
+def test_a_preemption_notice_saves_stops_and_restarts_bit_exact(ddp_run, digits, tmp_path):
     _, reference, _ = ddp_run
     out_dir = tmp_path / "out"
     args = digits_args(str(out_dir), str(tmp_path / "ray"),

@@ -13,6 +13,7 @@ from . import corpus
 pytestmark = pytest.mark.ray
 
 
+@pytest.mark.timeout(300)
 def test_hf_classification_script_on_two_ray_workers(ray_cluster, tmp_path):
     from transformers import AutoModelForSequenceClassification, BertForSequenceClassification, DataCollatorWithPadding
 

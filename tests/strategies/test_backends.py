@@ -13,7 +13,8 @@ import torch
 from raytrain import Trainer, load_weights
 from tests.strategies._helpers import digits_args, digits_model, run_backends, state_digest
 
-pytestmark = pytest.mark.ray
+# One worker computes the module fixtures under pytest-xdist (--dist loadgroup).
+pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("backends")]
 
 BACKENDS = {
     "fsdp": {"distributed": {"strategy": "fsdp", "fsdp": {"min_num_params": 2000}}},

@@ -26,6 +26,7 @@ def _driver(out, mode, env):
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+@pytest.mark.timeout(600)
 def test_sigkilled_driver_resumes_without_rerunning_finished_trials(ray_cluster, tmp_path):
     import optuna
 

@@ -126,6 +126,7 @@ def test_each_trial_trains_the_users_trainer_subclass_with_all_its_arguments(ray
                         "weight_decay": pytest.approx(row["weight_decay"])}
 
 
+@pytest.mark.timeout(300)
 def test_failures_multi_objective_and_mlflow_parent_child(ray_cluster, tmp_path, digits, monkeypatch, capsys):
     mlflow = pytest.importorskip("mlflow")
     from examples.digits import build_model
@@ -257,6 +258,7 @@ def test_pbt_clones_a_checkpoint_with_the_mutated_learning_rate(ray_cluster, tmp
     assert before and all(v != pytest.approx(float(lr)) for v in before)  # the source trial's own rate
 
 
+@pytest.mark.timeout(600)
 def test_a_two_worker_trial_at_a_uri_restores_elsewhere_and_restarts_a_killed_worker(ray_cluster, tmp_path, digits,
                                                                                      monkeypatch):
     """A 2-worker trial in a sweep whose storage_path is an S3 URI (a moto server). Its driver is SIGKILLed
@@ -321,6 +323,7 @@ def test_a_two_worker_trial_at_a_uri_restores_elsewhere_and_restarts_a_killed_wo
     assert best.objective == pytest.approx(one.evaluate()["eval_accuracy"], abs=1 / 359 + 1e-9)
 
 
+@pytest.mark.timeout(300)
 def test_cli_search_resumes_by_name(ray_cluster, tmp_path):
     import subprocess
     import sys
