@@ -74,7 +74,8 @@ class Trainer:
         self.trial_params: dict | None = None
         defaults = [DefaultFlowCallback, PrinterCallback if self.args.disable_tqdm else ProgressCallback]
         self.callback_handler = CallbackHandler(defaults + _integration_callbacks(self.args) + list(callbacks or []),
-                                                self.model, self.optimizer, self.lr_scheduler)
+                                                self.model, self.processing_class, self.optimizer,
+                                                self.lr_scheduler)
         self.state = TrainerState()
         self.control = TrainerControl()
         self.control = self.callback_handler.on_init_end(self.args, self.state, self.control)

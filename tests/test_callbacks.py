@@ -221,3 +221,59 @@ def test_log_lines_from_printer_callback(tmp_path, capsys):
     assert len(logs) == 3  # two step logs and the final train metrics
     assert [log["epoch"] for log in logs] == [0.5, 1.0, 1.0]
     assert set(logs[0]) == {"loss", "grad_norm", "learning_rate", "epoch"} and "train_loss" in logs[2]
+
+
+def test_callback_kwargs_events_and_handler_signature_match_hugging_face(tmp_path):
+    """The same callback under transformers 5.23's Trainer and raytrain's gets the same kwargs per event
+    (processing_class among them); the base class has HF's events (on_push_begin too) and
+    CallbackHandler HF's constructor signature."""
+    import inspect
+
+    import transformers
+
+    class Keys:
+        def __init__(self):
+            self.seen: dict[str, set] = {}
+
+        def __getattr__(self, event):
+            if not event.startswith("on_"):
+                raise AttributeError(event)
+
+            def record(args, state, control, **kwargs):
+                self.seen.setdefault(event, set()).update(kwargs)
+            return record
+
+    class HFKeys(Keys, transformers.TrainerCallback):
+        pass
+
+    class OurKeys(Keys, TrainerCallback):
+        pass
+
+    for cls in (HFKeys, OurKeys):  # the bases' no-ops would shadow __getattr__
+        for event in EVENTS:
+            setattr(cls, event, property(lambda self, e=event: Keys.__getattr__(self, e)))
+    kw = dict(max_steps=2, per_device_train_batch_size=4, logging_steps=1, eval_strategy="steps", eval_steps=2,
+              save_strategy="no", report_to="none", disable_tqdm=True, seed=0)
+    hf_cb, ours_cb = HFKeys(), OurKeys()
+    hf = transformers.Trainer(TinyClassifier(), transformers.TrainingArguments(str(tmp_path / "hf"), **kw),
+                              train_dataset=_rows(16), eval_dataset=_rows(6, seed=1), callbacks=[hf_cb])
+    hf.train()
+    ours = Trainer(TinyClassifier(), args_for(tmp_path, **kw), train_dataset=columns(16),
+                   eval_dataset=columns(6, seed=1), callbacks=[ours_cb])
+    ours.train()
+    assert set(ours_cb.seen) == set(hf_cb.seen) and len(hf_cb.seen) >= 10
+    assert "processing_class" in hf_cb.seen["on_step_end"]
+    for event, keys in hf_cb.seen.items():
+        assert keys <= ours_cb.seen[event], (event, keys - ours_cb.seen[event])
+    hf_events = {m for m in dir(transformers.TrainerCallback) if m.startswith("on_")}
+    assert hf_events == {m for m in dir(TrainerCallback) if m.startswith("on_")}
+    from raytrain.callbacks import CallbackHandler
+
+    assert list(inspect.signature(CallbackHandler).parameters) == \
+        list(inspect.signature(transformers.trainer_callback.CallbackHandler).parameters)
+
+
+def _rows(n: int, seed: int = 0) -> list[dict]:
+    """columns() as the list of dicts HF's default collator takes."""
+    data = columns(n, seed)
+    return [{"x": data["x"][i], "labels": data["labels"][i]} for i in range(n)]

@@ -20,7 +20,8 @@ class TrainerCallback:
     """Observe the loop and steer it through TrainerControl. Override any `on_EVENT`.
 
     Each event is called as `on_EVENT(args, state, control, **kwargs)`; kwargs carry model,
-    optimizer, lr_scheduler, train_dataloader, eval_dataloader and, where they exist, metrics or logs.
+    processing_class, optimizer, lr_scheduler, train_dataloader, eval_dataloader and, where they
+    exist, metrics or logs (as HF passes them).
     A callback may return a TrainerControl to replace the current one.
     """
 
@@ -39,6 +40,7 @@ class TrainerCallback:
     def on_prediction_step(self, args, state, control, **kwargs): pass
     def on_save(self, args, state, control, **kwargs): pass
     def on_log(self, args, state, control, **kwargs): pass
+    def on_push_begin(self, args, state, control, **kwargs): pass
 
 
 class ExportableState:
@@ -60,11 +62,12 @@ class ExportableState:
 class CallbackHandler(TrainerCallback):
     """Calls every callback in order for each event and resets the control flags as HF does."""
 
-    def __init__(self, callbacks, model=None, optimizer=None, lr_scheduler=None):
+    def __init__(self, callbacks, model=None, processing_class=None, optimizer=None, lr_scheduler=None):
         self.callbacks: list[TrainerCallback] = []
         for cb in callbacks or []:
             self.add_callback(cb)
         self.model = model
+        self.processing_class = processing_class
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.train_dataloader = None
@@ -144,6 +147,9 @@ class CallbackHandler(TrainerCallback):
         control.should_log = False
         return self.call_event("on_log", args, state, control, logs=logs)
 
+    def on_push_begin(self, args, state, control, **kwargs):
+        return self.call_event("on_push_begin", args, state, control, **kwargs)
+
     def _listeners(self, event: str) -> list[TrainerCallback]:
         """Callbacks that override `event` (the others' no-op is skipped: it runs every step)."""
         key = (event, tuple(map(id, self.callbacks)))
@@ -157,8 +163,8 @@ class CallbackHandler(TrainerCallback):
     def call_event(self, event: str, args, state: TrainerState, control: TrainerControl, **kwargs):
         for cb in self._listeners(event):
             result = getattr(cb, event)(
-                args, state, control, model=self.model, optimizer=self.optimizer,
-                lr_scheduler=self.lr_scheduler, train_dataloader=self.train_dataloader,
+                args, state, control, model=self.model, processing_class=self.processing_class,
+                optimizer=self.optimizer, lr_scheduler=self.lr_scheduler, train_dataloader=self.train_dataloader,
                 eval_dataloader=self.eval_dataloader, **kwargs,
             )
             if result is not None:
