@@ -32,7 +32,7 @@ _LogLevel = Literal["passive", "debug", "info", "warning", "error", "critical"]
 _SCHEDULES = Literal[
     "linear", "cosine", "cosine_with_restarts", "polynomial", "constant", "constant_with_warmup",
     "inverse_sqrt", "reduce_lr_on_plateau", "warmup_stable_decay", "cosine_with_min_lr",
-    "cosine_warmup_with_min_lr",
+    "cosine_warmup_with_min_lr", "greedy",
 ]
 
 

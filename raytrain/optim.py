@@ -230,8 +230,12 @@ def create_scheduler(
     if name == "reduce_lr_on_plateau":
         _check_keys("lr_scheduler_kwargs", name, given, _init_keys(ReduceLROnPlateau) - {"optimizer"})
         return ReduceLROnPlateau(optimizer, **given)
+    if name == "greedy":
+        greedy = _greedy_class()
+        _check_keys("lr_scheduler_kwargs", name, given, _init_keys(greedy) - {"optimizer"})
+        return greedy(optimizer, **given)
     if name not in _SCHEDULES:
-        valid = ", ".join([*_SCHEDULES, "reduce_lr_on_plateau"])
+        valid = ", ".join([*_SCHEDULES, "reduce_lr_on_plateau", "greedy"])
         raise ValueError(f"lr_scheduler_type: unknown schedule {name!r} (valid: {valid})")
     fn, defaults = _SCHEDULES[name]
     _check_keys("lr_scheduler_kwargs", name, given, set(defaults))
@@ -254,7 +258,17 @@ def create_scheduler(
 
 def scheduler_needs_metric(scheduler: LRScheduler | ReduceLROnPlateau) -> bool:
     """True when ``scheduler.step`` must be given an evaluation metric, not called every step."""
-    return isinstance(scheduler, ReduceLROnPlateau)
+    return isinstance(scheduler, ReduceLROnPlateau) or type(scheduler).__name__ == "GreedyLR"
+
+
+def _greedy_class():
+    """transformers' GreedyLR, which HF's "greedy" schedule is (stepped with the evaluation metric)."""
+    try:
+        from transformers.optimization import GreedyLR
+    except ImportError:
+        raise ValueError("lr_scheduler_type: 'greedy' is transformers' GreedyLR; install transformers "
+                         "(pip install transformers) or pick another schedule") from None
+    return GreedyLR
 
 
 def _resolve_wsd(kwargs: dict[str, Any], warmup: int, total: int) -> None:

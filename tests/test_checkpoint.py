@@ -7,6 +7,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import pickle
 import shutil
 import signal
@@ -337,9 +338,12 @@ def test_resume_never_silently_starts_from_scratch(tmp_path, three_checkpoints, 
     for resume in (True, "auto"):
         with pytest.raises(CheckpointError, match="none of the 3 checkpoint"):
             make_trainer(out).train(resume_from_checkpoint=resume)
-    with pytest.raises(CheckpointError, match="not a checkpoint directory"):
-        make_trainer(tmp_path / "other").train(resume_from_checkpoint=str(tmp_path / "nope" / "checkpoint-3"))
-    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+    # HF's ValueError texts first, as scripts written against transformers catch and match them.
+    nope = tmp_path / "nope" / "checkpoint-3"
+    with pytest.raises(ValueError, match=re.escape(f"Can't find a valid checkpoint at {nope} (no such directory)")):
+        make_trainer(tmp_path / "other").train(resume_from_checkpoint=str(nope))
+    with pytest.raises(ValueError, match=re.escape(f"No valid checkpoint found in output directory "
+                                                   f"({tmp_path / 'empty'}): resume_from_checkpoint=True")):
         make_trainer(tmp_path / "empty").train(resume_from_checkpoint=True)
 
 

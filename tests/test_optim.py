@@ -375,3 +375,34 @@ def test_get_lr_is_a_float_of_the_first_group():
     optimizer = create_optimizer(nn.Linear(3, 2), make_args(optim="adamw_torch"))
     optimizer.param_groups[0]["lr"] = 0.25
     assert get_lr(optimizer) == 0.25 and isinstance(get_lr(optimizer), float)
+
+
+def test_greedy_schedule_is_transformers_greedy_lr_stepped_as_hf_steps_it(tmp_path):
+    """lr_scheduler_type="greedy": the learning rates and evaluation losses of a full-batch run (no data
+    order in play) equal transformers 5.23's Trainer's, step for step."""
+    import transformers
+
+    from raytrain import Trainer
+    from tests.test_callbacks import _rows
+    from tests.tiny import TinyClassifier, args_for, columns
+
+    kw = dict(max_steps=12, per_device_train_batch_size=16, logging_steps=1, eval_strategy="steps", eval_steps=1,
+              save_strategy="no", report_to="none", disable_tqdm=True, seed=0, learning_rate=0.5,
+              lr_scheduler_type="greedy", metric_for_best_model="loss",
+              lr_scheduler_kwargs={"patience": 1, "factor": 0.5, "min_lr": 1e-3})
+    torch.manual_seed(0)
+    hf = transformers.Trainer(TinyClassifier(), transformers.TrainingArguments(str(tmp_path / "hf"), **kw),
+                              train_dataset=_rows(16), eval_dataset=_rows(6, seed=1))
+    hf.train()
+    torch.manual_seed(0)
+    ours = Trainer(TinyClassifier(), args_for(tmp_path, **kw), train_dataset=columns(16),
+                   eval_dataset=columns(6, seed=1))
+    ours.train()
+
+    def series(trainer, key):
+        return [h[key] for h in trainer.state.log_history if key in h]
+
+    assert type(ours.lr_scheduler) is transformers.optimization.GreedyLR
+    lrs = series(ours, "learning_rate")
+    assert lrs == series(hf, "learning_rate") and len(set(lrs)) >= 3  # it raised and lowered the rate
+    assert series(ours, "eval_loss") == pytest.approx(series(hf, "eval_loss"), rel=1e-5)

@@ -58,7 +58,8 @@ def resolve(trainer: TrainerProtocol, resume) -> str | None:
                 "is complete and intact (the warnings above name each bad file); repair one, pass its path, "
                 "or move them away to start over")
         if path is None and resume is True:
-            raise FileNotFoundError(f"resume_from_checkpoint=True: no complete checkpoint in {args.output_dir}")
+            raise ckpt.MissingCheckpointError(f"No valid checkpoint found in output directory ({args.output_dir}): "
+                                              "resume_from_checkpoint=True needs a complete checkpoint-N there")
         return path
     _verify_named_checkpoint(str(resume))
     return str(resume)
@@ -78,6 +79,10 @@ def fresh_start_refusal(output_dir: str, existing: list[tuple[int, str]] | None 
 def _verify_named_checkpoint(path: str) -> None:
     """A checkpoint named explicitly is verified; if only its weights differ from the manifest (re-saved
     by save_pretrained, e.g. sharded), it is used with a warning once the weights load."""
+    if not os.path.isfile(os.path.join(path, ckpt.MANIFEST)):
+        why = "no such directory" if not os.path.isdir(path) else \
+            f"{os.path.join(path, ckpt.MANIFEST)} is missing: the checkpoint was never completed"
+        raise ckpt.MissingCheckpointError(f"Can't find a valid checkpoint at {path} ({why})")
     try:
         ckpt.verify_checkpoint(path, weights_on_load=True)
     except ckpt.CheckpointError as e:
