@@ -72,6 +72,7 @@ class Trainer:
         self.ignore_keys_for_eval: list[str] | None = None  # train()'s, for the loop's evaluations
         self.trial_name: str | None = None  # set by a sweep: its TrainerState says which trial it is
         self.trial_params: dict | None = None
+        self.model_preparation_time: float | None = None  # HF's eval_model_preparation_time
         defaults = [DefaultFlowCallback, PrinterCallback if self.args.disable_tqdm else ProgressCallback]
         self.callback_handler = CallbackHandler(defaults + _integration_callbacks(self.args) + list(callbacks or []),
                                                 self.model, self.processing_class, self.optimizer,
@@ -380,16 +381,17 @@ class Trainer:
         return self._wants_items
 
     def floating_point_ops(self, inputs: dict) -> float:
-        """HF's estimate: 6 x parameters x tokens (or samples) per training step."""
+        """HF's count: 6 x the main input's elements x the parameters less embeddings, for models that
+        say how many they have (PreTrainedModel.num_parameters); 0 for others, as HF."""
         model = self.model
-        if "_model_flops" not in self.__dict__:  # looked up once: a failed Module attribute lookup is slow
-            self._model_flops = getattr(model, "floating_point_ops", None)
-            self._num_params = sum(p.numel() for p in model.parameters())
-        if self._model_flops is not None:
-            return self._model_flops(inputs)
-        ids = inputs.get("input_ids")
-        n = ids.numel() if ids is not None else next(iter(inputs.values())).shape[0]
-        return 6.0 * self._num_params * n
+        if "_flops_per_item" not in self.__dict__:  # looked up once: a failed Module attribute lookup is slow
+            main = getattr(model, "main_input_name", "input_ids")
+            count = getattr(model, "num_parameters", None)
+            self._flops_per_item = (main, 6.0 * count(exclude_embeddings=True)) if callable(count) else None
+        if self._flops_per_item is None or self._flops_per_item[0] not in inputs:
+            return 0.0
+        main, per_item = self._flops_per_item
+        return per_item * inputs[main].numel()
 
     def call_model_init(self, trial=None) -> torch.nn.Module:
         positional = [p for p in inspect.signature(self.model_init).parameters.values()

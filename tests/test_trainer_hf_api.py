@@ -49,6 +49,43 @@ def test_batch_eval_metrics_calls_compute_metrics_per_batch(tmp_path):
     assert out["eval_seen"] == 10.0 and "eval_loss" in out
 
 
+def test_an_iterable_dataset_with_no_length_evaluates_and_predicts_as_hf(tmp_path):
+    """evaluate() and predict() on an IterableDataset with no __len__: the same loss and metric keys as on the
+    map-style dataset (and as transformers' Trainer), the predictions of every sample, and batch_eval_metrics'
+    compute_result=True on the last batch only."""
+    import transformers
+    from torch.utils.data import IterableDataset
+
+    from tests.test_callbacks import _rows
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(_rows(10, seed=1))
+
+    calls = []
+
+    def metrics(pred, compute_result=None):
+        if compute_result is None:
+            return {"n": float(len(pred.predictions))}
+        calls.append((len(pred.predictions), compute_result))
+        return {"n": float(sum(n for n, _ in calls))} if compute_result else {}
+
+    trainer = Trainer(TinyClassifier(), args_for(tmp_path, per_device_eval_batch_size=4), compute_metrics=metrics)
+    plain = trainer.evaluate(_rows(10, seed=1))
+    streamed = trainer.evaluate(Stream())
+    assert streamed["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-6) and streamed["eval_n"] == 10.0
+    hf = transformers.Trainer(trainer.model, transformers.TrainingArguments(str(tmp_path / "hf"), report_to="none",
+                              per_device_eval_batch_size=4), compute_metrics=metrics)
+    theirs = hf.evaluate(Stream())
+    assert set(streamed) == set(theirs) and streamed["eval_loss"] == pytest.approx(theirs["eval_loss"], rel=1e-6)
+    out = trainer.predict(Stream())
+    assert out.predictions.shape == (10, 3) and out.label_ids.shape == (10,)
+    assert out.metrics["test_loss"] == pytest.approx(plain["eval_loss"], rel=1e-6)
+    trainer.args.batch_eval_metrics = True
+    trainer.evaluate(Stream())
+    assert calls == [(4, False), (4, False), (2, True)]
+
+
 def test_memory_metrics_for_each_stage(tmp_path):
     trainer = Trainer(TinyClassifier(), args_for(tmp_path, max_steps=2, skip_memory_metrics=False,
                                                  save_strategy="no"), train_dataset=columns(16))

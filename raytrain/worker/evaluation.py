@@ -30,7 +30,13 @@ def evaluation_loop(trainer: TrainerProtocol, source, description: str, predicti
                     ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> EvalLoopOutput:
     """Run the model over `source` (a data source of this rank's batches), gather, compute metrics."""
     args, strategy = trainer.args, trainer.get_strategy()
-    model = trainer.model_wrapped if trainer.model_wrapped is not None else trainer.model.to(strategy.device)
+    if trainer.model_wrapped is not None:
+        model = trainer.model_wrapped
+    else:  # not prepared by train(): HF times the preparation once and reports it with every evaluation
+        prep = time.perf_counter()
+        model = trainer.model.to(strategy.device)
+        if trainer.model_preparation_time is None:
+            trainer.model_preparation_time = round(time.perf_counter() - prep, 4)
     cb = trainer.callback_handler
     cb.eval_dataloader = source
     if prediction_loss_only is None:
@@ -41,8 +47,10 @@ def evaluation_loop(trainer: TrainerProtocol, source, description: str, predicti
     metrics: dict[str, Any] = {}
     start = time.perf_counter()
     model.eval()
-    n_batches = len(source)
-    for i, batch in enumerate(source.iter_batches(0)):
+    n_batches, n_seen = 0, 0
+    for batch, last in _flag_last(source.iter_batches(0)):  # an iterable dataset's length is unknown
+        n_batches += 1
+        n_seen += _batch_size(batch) or 0
         batch = trainer.prepare_inputs(batch)
         loss, logits, label = trainer.prediction_step(model, batch, prediction_loss_only=not want_preds,
                                                       ignore_keys=ignore_keys)
@@ -58,24 +66,26 @@ def evaluation_loop(trainer: TrainerProtocol, source, description: str, predicti
             logits, label = _to_cpu(logits, float_=True), _to_cpu(label)
             if batch_metrics:
                 metrics = trainer.compute_metrics(EvalPrediction(_numpy(logits), _numpy(label)),
-                                                  compute_result=i == n_batches - 1)
+                                                  compute_result=last)
             else:
                 preds.append(logits)
                 if label is not None:
                     labels.append(label)
         trainer.control = cb.on_prediction_step(args, trainer.state, trainer.control)
     runtime = time.perf_counter() - start
-    gathered = strategy.all_gather_object((loss_sum, items, nested_concat(preds), nested_concat(labels)))
+    gathered = strategy.all_gather_object((loss_sum, items, nested_concat(preds), nested_concat(labels), n_seen))
     loss_sum = sum(g[0] for g in gathered)
     items = sum(g[1] for g in gathered)
     predictions = _numpy(nested_concat([g[2] for g in gathered if g[2] is not None]))
     label_ids = _numpy(nested_concat([g[3] for g in gathered if g[3] is not None]))
     if items:
         metrics = {**metrics, "loss": loss_sum / items}
+    if trainer.model_preparation_time is not None:
+        metrics["model_preparation_time"] = trainer.model_preparation_time
     if trainer.compute_metrics is not None and not batch_metrics and predictions is not None \
             and label_ids is not None:
         metrics.update(trainer.compute_metrics(EvalPrediction(predictions, label_ids)))
-    n_samples = source.num_samples
+    n_samples = source.num_samples if source.num_samples is not None else sum(g[4] for g in gathered)
     metrics.update({"runtime": round(runtime, 4),
                     "samples_per_second": round(n_samples / runtime, 3) if runtime else 0.0,
                     "steps_per_second": round(n_batches / runtime, 3) if runtime else 0.0})
@@ -97,6 +107,17 @@ def nested_concat(parts: list) -> Any:
         tensors = [torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, width - t.shape[1]), value=-100)
                    for t in tensors]
     return torch.cat(tensors)
+
+
+def _flag_last(batches):
+    """(batch, is_last) with one batch of lookahead: batch_eval_metrics' compute_result on a stream."""
+    it = iter(batches)
+    prev = next(it, None)
+    for batch in it:
+        yield prev, False
+        prev = batch
+    if prev is not None:
+        yield prev, True
 
 
 def _batch_size(batch) -> int | None:

@@ -39,6 +39,7 @@ class TrainerProtocol(Protocol):
     ignore_keys_for_eval: list[str] | None      # train()'s, passed to the loop's evaluations
     trial_name: str | None                      # set by a sweep: the TrainerState names the trial
     trial_params: dict | None
+    model_preparation_time: float | None        # HF's: set by the first evaluation of an unprepared model
 
     # -- HF's overridable methods, called as HF's Trainer calls them
     def get_train_dataloader(self) -> Any: ...
