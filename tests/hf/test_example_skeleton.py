@@ -10,6 +10,7 @@ import sys
 from dataclasses import dataclass, field
 
 import pytest
+import torch
 
 from . import scripts
 from .scripts import hf, rt
@@ -188,3 +189,141 @@ def test_run_glue_skeleton_runs_against_raytrain_as_against_transformers(tmp_pat
     assert "- gradient_accumulation_steps: 2\n- total_train_batch_size: 16\n" in rs["hyper"]
     assert r_card.split("### Framework versions")[0].count("\n") == h_card.split("### Framework versions")[0].count("\n")
     assert "- raytrain " in r_card and "- Transformers " in r_card
+
+
+# ---------------------------------------------------------------- the helpers, against HF's where HF has them
+def _regressor_trainer(out, callbacks=None, **kw):
+    Trainer, TrainingArguments = rt()
+    args = TrainingArguments(str(out), max_steps=2, per_device_train_batch_size=8, save_strategy="no",
+                             weight_decay=0.1, **scripts.COMMON, **kw)
+    data = scripts.regression_data()
+    return Trainer(model=scripts.TinyRegressor(), args=args, train_dataset=data, eval_dataset=data,
+                   callbacks=callbacks)
+
+
+def test_log_metrics_and_metrics_format_print_what_hf_prints(tmp_path, capsys):
+    from transformers.trainer_pt_utils import log_metrics, metrics_format
+
+    metrics = {"epoch": 2.0, "train_loss": 0.123456789, "train_runtime": 3725.5, "train_samples": 48,
+               "total_flos": 3 * 2**30 + 5.0, "train_mem_cpu_alloc_delta": 5 * 2**20, "train_samples_per_second": 1.5}
+    trainer = _regressor_trainer(tmp_path)
+    assert trainer.metrics_format(metrics) == metrics_format(metrics)
+    log_metrics(trainer, "train", metrics)
+    want = capsys.readouterr().out
+    trainer.log_metrics("train", metrics)
+    assert capsys.readouterr().out == want
+    assert "  train_runtime             = 1:02:05.50" in want
+
+
+def test_optimizer_helpers_match_hf(tmp_path):
+    from transformers import Trainer as HFTrainer
+    from transformers import TrainingArguments as HFArgs
+
+    _, TrainingArguments = rt()
+    tok = scripts.corpus.tokenizer()
+    bert = scripts.bert(tok)
+    trainer = _regressor_trainer(tmp_path)
+    assert trainer.get_decay_parameter_names(bert) == HFTrainer.get_decay_parameter_names(None, bert)
+    for optim in ("adamw_torch", "adamw_torch_fused"):
+        kw = dict(optim=optim, learning_rate=3e-4, adam_beta2=0.98, use_cpu=True, report_to="none")
+        got = type(trainer).get_optimizer_cls_and_kwargs(TrainingArguments(str(tmp_path), **kw))
+        assert got == HFTrainer.get_optimizer_cls_and_kwargs(HFArgs(str(tmp_path), **kw)), optim
+    cls, kwargs = trainer.get_optimizer_cls_and_kwargs(TrainingArguments(str(tmp_path), optim="sgd",
+                                                                         optim_args="momentum=0.9"))
+    assert (cls, kwargs) == (torch.optim.SGD, {"lr": 5e-5, "momentum": 0.9})
+
+    with pytest.raises(ValueError, match="optimizer is None"):
+        trainer.get_optimizer_group()
+    trainer.train()
+    opt = trainer.optimizer
+    cls, kwargs = trainer.get_optimizer_cls_and_kwargs(trainer.args)
+    assert type(opt) is cls and all(opt.defaults[k] == (list(v) if k == "betas" else v) or opt.defaults[k] == v
+                                    for k, v in kwargs.items())
+    weight, bias = trainer.model.lin.weight, trainer.model.lin.bias
+    assert trainer.get_optimizer_group(weight)["weight_decay"] == 0.1
+    assert trainer.get_optimizer_group(bias)["weight_decay"] == 0.0
+    assert [[id(p) for p in g] for g in trainer.get_optimizer_group()] == [[id(weight)], [id(bias)]]
+    assert trainer.get_decay_parameter_names(trainer.model) == ["lin.weight"]
+
+
+def test_num_examples_flos_is_in_train_and_loss_context(tmp_path, caplog):
+    from transformers import TrainerCallback
+
+    seen = []
+
+    class Watch(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            seen.append(trainer.is_in_train)
+
+    trainer = _regressor_trainer(tmp_path, callbacks=[Watch()])
+    assert trainer.num_examples(trainer.get_train_dataloader()) == 32
+    loader = torch.utils.data.DataLoader(list(range(10)), batch_size=4)
+    assert trainer.num_examples(loader) == 10
+    assert trainer.num_examples([[1], [2], [3]]) == 3 * 8  # no dataset: batches x per-device batch, as HF
+    assert trainer.is_in_train is False
+    trainer.train()
+    assert seen == [True, True] and trainer.is_in_train is False
+    total = trainer.state.total_flos
+    trainer.current_flos += 1000
+    trainer.store_flos()
+    assert (trainer.state.total_flos, trainer.current_flos) == (total + 1000, 0)
+    with trainer.compute_loss_context_manager():
+        assert not torch.is_autocast_enabled("cpu")
+    bf16 = _regressor_trainer(tmp_path / "bf16", bf16=True)
+    with bf16.compute_loss_context_manager():
+        assert torch.is_autocast_enabled("cpu")
+    with caplog.at_level(logging.INFO, logger="raytrain"):
+        trainer.predict(scripts.regression_data(12))
+    assert [r.getMessage() for r in caplog.records if r.name == "raytrain.trainer"] == [
+        "\n***** Running Prediction *****", "  Num examples = 12", "  Batch size = 8"]  # HF's text for predict
+
+
+def test_accelerator_in_process_and_on_a_process_group(tmp_path, capsys):
+    import torch.distributed as dist
+
+    trainer = _regressor_trainer(tmp_path)
+    acc = trainer.accelerator
+    assert (acc.num_processes, acc.process_index, acc.local_process_index) == (1, 0, 0)
+    assert acc.is_main_process and acc.is_local_main_process and acc.is_last_process
+    assert acc.device == trainer.args.device
+    acc.print("from main")
+    assert capsys.readouterr().out == "from main\n"
+    acc.wait_for_everyone()
+    x = torch.arange(3.0)
+    assert acc.gather(x) is x and acc.gather({"a": (x,)})["a"][0] is x
+
+    class Wrapper(torch.nn.Module):
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    assert acc.unwrap_model(Wrapper(trainer.model)) is trainer.model
+    assert acc.free_memory(x, trainer) == [None, None]
+    with pytest.raises(TypeError, match="gather: expected tensors"):
+        acc.gather("text")
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        assert (acc.num_processes, acc.process_index) == (1, 0)
+        assert acc.gather(torch.tensor(2.0)).tolist() == [2.0]  # a scalar: one element per process
+        assert acc.gather({"x": x})["x"].tolist() == [0.0, 1.0, 2.0]
+        with acc.main_process_first():
+            acc.wait_for_everyone()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_model_card_for_a_plain_module_and_a_card_already_there(tmp_path):
+    trainer = _regressor_trainer(tmp_path / "plain-run")
+    trainer.evaluate()
+    readme = tmp_path / "plain-run" / "README.md"
+    readme.parent.mkdir()
+    readme.write_text("---\ntags:\n- kept\n---\nold card\n")
+    trainer.create_model_card(tags=["mine"], language="en", license="mit", dataset="digits")
+    card = readme.read_text()
+    front = card.split("\n---\n")[0]
+    assert "library_name" not in front  # not a transformers model
+    assert "language:\n- en\nlicense: mit\ntags:\n- mine\n- kept\n- generated_from_trainer\n" in front
+    assert "# plain-run\n\nThis model was trained from scratch on the digits dataset." in card
+    assert "- eval_loss: " in card and "### Training results" not in card  # evaluated, never trained: as HF
+    assert "- training_steps: 2\n" in card and "- optimizer: Use adamw_torch with betas=(0.9,0.999)" in card
