@@ -272,6 +272,7 @@ def test_num_examples_flos_is_in_train_and_loss_context(tmp_path, caplog):
     bf16 = _regressor_trainer(tmp_path / "bf16", bf16=True)
     with bf16.compute_loss_context_manager():
         assert torch.is_autocast_enabled("cpu")
+    caplog.clear()
     with caplog.at_level(logging.INFO, logger="raytrain"):
         trainer.predict(scripts.regression_data(12))
     assert [r.getMessage() for r in caplog.records if r.name == "raytrain.trainer"] == [
