@@ -15,7 +15,6 @@ import torch
 from .accelerator import Accelerator
 from .metrics import format_metrics, write_metrics
 from .optim import create_optimizer
-from .strategies.base import unwrap_model
 
 logger = logging.getLogger("raytrain.trainer")
 
