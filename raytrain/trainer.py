@@ -15,7 +15,8 @@ from .args import TrainingArguments
 from .callbacks import CallbackHandler, DefaultFlowCallback, PrinterCallback, ProgressCallback
 from .checkpoint import save_weights
 from .data.columns import count_items, is_named_datasets
-from .metrics import MemoryTracker, print_metrics, write_metrics
+from .hf_skeleton import ExampleScriptMethods
+from .metrics import MemoryTracker
 from .worker.evaluation import EvalLoopOutput, evaluation_loop
 from .optim import create_optimizer, create_scheduler, get_lr, get_parameter_groups
 from .seeding import set_seed
@@ -27,7 +28,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["Trainer", "set_seed"]
 
 
-class Trainer:
+class Trainer(ExampleScriptMethods):
     """Train, evaluate and predict with a PyTorch model, as HF's Trainer does (same arguments, same
     overridable methods, same events).
 
@@ -104,10 +105,14 @@ class Trainer:
         self.start_memory_tracking("train")
         from .worker.signals import python_interrupts
 
-        with python_interrupts(self):  # Ctrl-C: save at the next step, then KeyboardInterrupt
-            if not self.args.auto_find_batch_size:
-                return loop.train(self, resume_from_checkpoint, trial)
-            return self._train_finding_batch_size(resume_from_checkpoint, trial)
+        self.is_in_train = True
+        try:
+            with python_interrupts(self):  # Ctrl-C: save at the next step, then KeyboardInterrupt
+                if not self.args.auto_find_batch_size:
+                    return loop.train(self, resume_from_checkpoint, trial)
+                return self._train_finding_batch_size(resume_from_checkpoint, trial)
+        finally:
+            self.is_in_train = False
 
     def evaluate(self, eval_dataset=None, ignore_keys: list[str] | None = None,
                  metric_key_prefix: str = "eval") -> dict[str, float]:
@@ -144,6 +149,7 @@ class Trainer:
     def evaluation_loop(self, dataloader, description: str, prediction_loss_only: bool | None = None,
                         ignore_keys: list[str] | None = None, metric_key_prefix: str = "eval") -> EvalLoopOutput:
         """Run prediction_step over `dataloader` (what get_eval_dataloader returns) and gather."""
+        self.log_evaluation_start(dataloader, description)
         return evaluation_loop(self, dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> str:
@@ -189,36 +195,6 @@ class Trainer:
             logs["num_input_tokens_seen"] = self.state.num_input_tokens_seen
         self.state.log_history.append({**logs, "step": self.state.global_step})
         self.control = self.callback_handler.on_log(self.args, self.state, self.control, logs)
-
-    def log_metrics(self, split: str, metrics: dict[str, float]) -> None:
-        """Print `metrics` as HF does: a header, then one aligned `key = value` line each (main process)."""
-        if self.is_world_process_zero():
-            print_metrics(split, metrics)
-
-    def save_metrics(self, split: str, metrics: dict[str, float], combined: bool = True) -> None:
-        """Write `{split}_results.json` (and merge into all_results.json) in output_dir (main process)."""
-        if self.is_world_process_zero():
-            write_metrics(self.args.output_dir, split, metrics, combined)
-
-    def save_state(self) -> None:
-        """Write trainer_state.json into output_dir (main process)."""
-        if self.is_world_process_zero():
-            os.makedirs(self.args.output_dir, exist_ok=True)
-            self.state.save_to_json(os.path.join(self.args.output_dir, "trainer_state.json"))
-
-    def is_world_process_zero(self) -> bool:
-        return self.get_strategy().is_main
-
-    def is_local_process_zero(self) -> bool:
-        return self.get_strategy().local_rank == 0
-
-    def get_num_trainable_parameters(self) -> int:
-        return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
-
-    def get_learning_rates(self) -> list[float]:
-        if self.optimizer is None:
-            raise ValueError("Trainer optimizer is None, please make sure you have setup the optimizer before.")
-        return [group["lr"] for group in self.optimizer.param_groups]
 
     # ------------------------------------------------------------ overridable: data
     def get_train_dataloader(self):

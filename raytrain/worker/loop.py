@@ -5,6 +5,7 @@ The loop, with every callback event in the order it fires (HF Trainer's order)::
 
     Trainer.__init__                               -> on_init_end
     train():
+      log_training_start                             HF's "***** Running training *****" info lines
       restore(checkpoint)                            model, optimizer, scheduler, scaler, RNG,
                                                      data position, loop accumulators, callbacks
       on_train_begin
@@ -64,6 +65,7 @@ class NonFiniteError(RuntimeError):
 
 def train(trainer: TrainerProtocol, resume_from_checkpoint=None, trial=None) -> TrainOutput:
     run = _setup(trainer)
+    trainer.log_training_start(run.data, run.steps_per_epoch)  # HF's "***** Running training *****" lines
     path = resume.resolve(trainer, resume_from_checkpoint)
     if path:
         resume.restore(run, path, auto=resume_from_checkpoint is True or resume_from_checkpoint == "auto")

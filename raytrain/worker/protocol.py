@@ -99,3 +99,6 @@ class TrainerProtocol(Protocol):
 
     def stop_memory_tracking(self, stage: str) -> dict[str, int]:
         """The stage's {stage}_mem_* metrics since start_memory_tracking."""
+
+    def log_training_start(self, dataloader: Any, num_update_steps_per_epoch: int) -> None:
+        """HF's "***** Running training *****" info lines for the planned run (state.max_steps set)."""
