@@ -133,7 +133,9 @@ class TrainingArguments(HFArgumentMethods):
         "no", "count input tokens in state.num_input_tokens_seen: no, all (input_ids) or non_padding")
     skip_memory_metrics: bool = _f(True, "skip memory profiling metrics")
     auto_find_batch_size: bool = _f(False, "halve the batch size on out-of-memory and retry")
-    report_to: str | list[str] = _f("none", "integrations to report to: none, all, or mlflow")
+    report_to: str | list[str] = _f(
+        "none", "integrations to report to (HF's names): none, all (those installed), mlflow, tensorboard, wandb, "
+                "trackio, comet_ml, clearml, dvclive, neptune, swanlab, codecarbon, azure_ml, dagshub, flyte, kubeflow")
     run_name: str | None = _f(None, "name of the run in the tracking integration")
     mlflow_log_best_checkpoint: bool = _f(False, "also log the best checkpoint to MLflow (artifact best_checkpoint/)")
     disable_tqdm: bool | None = _f(False, "hide progress bars")
@@ -154,7 +156,7 @@ class TrainingArguments(HFArgumentMethods):
     do_eval: bool = _f(False, "read by your script, not by the Trainer (as in HF)")
     do_predict: bool = _f(False, "read by your script, not by the Trainer (as in HF)")
     resume_from_checkpoint: str | None = _f(None, "read by your script, not by the Trainer (as in HF)")
-    logging_dir: str | None = _f(None, "accepted for HF compatibility (no TensorBoard here)")
+    logging_dir: str | None = _f(None, "report_to tensorboard's directory; default OUTPUT_DIR/runs/DATE_HOST")
     log_level_replica: _LogLevel = _f(
         "warning", "get_process_log_level() on the other processes (raytrain logs on the main one)")
     log_on_each_node: bool = _f(True, "should_log / get_process_log_level: main process of each node, else of the run")
@@ -197,15 +199,15 @@ class TrainingArguments(HFArgumentMethods):
         "notice (scaling.max_preemption_failures) and on SIGTERM, raytrain.run on SIGTERM; set, an "
         "in-process Trainer.train() from Python does too on SIGTERM (then exits 143)")
     use_cache: bool = _f(False, "set as the model's config.use_cache (a transformers model's generation cache)")
-    trackio_space_id: str | None = _f(None, "not supported (no Trackio; report_to takes mlflow)")
-    trackio_bucket_id: str | None = _f(None, "not supported (no Trackio; report_to takes mlflow)")
+    trackio_space_id: str | None = _f(None, "report_to trackio: the Hugging Face Space to log to (HF's)")
+    trackio_bucket_id: str | None = _f(None, "report_to trackio: the bucket its logs are kept in (HF's)")
     trackio_static_space_id: str | None | Literal[False] = _f(
-        None, "not supported (no Trackio; report_to takes mlflow)")
+        None, "report_to trackio: the static Space frozen at the end (false: none) (HF's)")
     torch_empty_cache_steps: int | None = _f(None, "accepted for HF compatibility")
     save_on_each_node: bool = _f(False, "accepted: rank 0 writes to shared storage")
     bf16_full_eval: bool = _f(False, "accepted for HF compatibility (evaluation uses the training precision)")
     fp16_full_eval: bool = _f(False, "accepted for HF compatibility (evaluation uses the training precision)")
-    project: str = _f("huggingface", "accepted for HF compatibility")
+    project: str = _f("huggingface", "report_to trackio: the project to log to (HF's)")
     debug: str | None = _f("", "accepted for HF compatibility")
 
     model: ModelConfig | None = _f(None, "model section: factory plus its keyword arguments")

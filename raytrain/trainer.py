@@ -13,6 +13,7 @@ from . import hf
 from .worker import loop
 from .args import TrainingArguments
 from .callbacks import CallbackHandler, DefaultFlowCallback, PrinterCallback, ProgressCallback
+from .callbacks.trackers import integration_callbacks
 from .checkpoint import save_weights
 from .data.columns import count_items, is_named_datasets
 from .hf_skeleton import ExampleScriptMethods
@@ -75,7 +76,7 @@ class Trainer(ExampleScriptMethods):
         self.trial_params: dict | None = None
         self.model_preparation_time: float | None = None  # HF's eval_model_preparation_time
         defaults = [DefaultFlowCallback, PrinterCallback if self.args.disable_tqdm else ProgressCallback]
-        self.callback_handler = CallbackHandler(defaults + _integration_callbacks(self.args) + list(callbacks or []),
+        self.callback_handler = CallbackHandler(defaults + integration_callbacks(self.args) + list(callbacks or []),
                                                 self.model, self.processing_class, self.optimizer,
                                                 self.lr_scheduler)
         self.state = TrainerState()
@@ -458,10 +459,3 @@ def _is_out_of_memory(e: BaseException) -> bool:
     return isinstance(e, RuntimeError) and ("CUDA out of memory" in text or "CUDNN_STATUS_NOT_SUPPORTED" in text
                                             or "DefaultCPUAllocator: can't allocate memory" in text)
 
-
-def _integration_callbacks(args) -> list:
-    out = []
-    if "mlflow" in args.report_to:
-        from .callbacks.mlflow import MLflowCallback
-        out.append(MLflowCallback)
-    return out

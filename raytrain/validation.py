@@ -4,9 +4,11 @@ HF fields that are accepted but do nothing here. Each failure is one line naming
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import logging
 import math
+import os
 from enum import Enum
 from typing import Any
 
@@ -17,7 +19,26 @@ from .hf_args import deprecated_alias
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_INTEGRATIONS = ["mlflow"]
+#: report_to's names: transformers 5.23's INTEGRATION_TO_CALLBACK -> (the modules it needs, their pip packages).
+#: mlflow is raytrain's own tracking; tensorboard runs without transformers too; the rest are transformers'.
+INTEGRATIONS: dict[str, tuple[tuple[str, ...], str]] = {
+    "azure_ml": (("azureml.core.run",), "azureml-core"),
+    "clearml": (("clearml",), "clearml"),
+    "codecarbon": (("codecarbon",), "codecarbon"),
+    "comet_ml": (("comet_ml",), "comet-ml"),
+    "dagshub": (("dagshub",), "dagshub"),
+    "dvclive": (("dvclive",), "dvclive"),
+    "flyte": (("flytekit",), "flytekit"),
+    "kubeflow": ((), ""),  # no package: KUBEFLOW_TRAINER_SERVER_URL, set inside a Kubeflow Trainer job
+    "mlflow": (("mlflow",), "mlflow"),
+    "neptune": (("neptune",), "neptune"),
+    "swanlab": (("swanlab",), "swanlab"),
+    "tensorboard": (("tensorboard", "tensorboardX"), "tensorboard"),  # either writer, as transformers
+    "trackio": (("trackio",), "trackio"),
+    "wandb": (("wandb",), "wandb"),
+}
+#: Integrations raytrain runs itself; the others are transformers' callbacks.
+OWN_INTEGRATIONS = ("mlflow", "tensorboard")
 
 _HF_NOOP_WARNINGS = {
     "push_to_hub": "push_to_hub is not supported; the model is saved locally in output_dir",
@@ -25,7 +46,7 @@ _HF_NOOP_WARNINGS = {
     "group_by_length": "group_by_length is not supported; batches are a seeded shuffle",
     "neftune_noise_alpha": "neftune_noise_alpha is not supported; no embedding noise is added",
     "use_liger_kernel": "use_liger_kernel is not supported; the model's own kernels are used",
-    "logging_dir": "logging_dir is not used (no TensorBoard); logs are in trainer_state.json and MLflow",
+    "logging_dir": "logging_dir is not used without report_to tensorboard; logs are in trainer_state.json",
     "fsdp_config": "fsdp_config is not used; put FSDP options in distributed.fsdp",
     "include_for_metrics": "include_for_metrics is not supported; EvalPrediction holds predictions and label_ids",
     "liger_kernel_config": "liger_kernel_config is not supported; the model's own kernels are used",
@@ -34,9 +55,12 @@ _HF_NOOP_WARNINGS = {
     "parallelism_config": "parallelism_config is not supported (no accelerate); use the distributed section "
                           "(distributed.strategy ddp, fsdp or deepspeed)",
     "dataloader_in_order": "dataloader_in_order=False is not supported; batches always come in order",
-    **{name: f"{name} is not supported (no Trackio); use report_to mlflow"
+    **{name: f"{name} is not supported without report_to trackio; it is ignored"
        for name in ("trackio_space_id", "trackio_bucket_id", "trackio_static_space_id")},
 }
+#: Fields that an integration in report_to reads: no warning when it is there.
+_USED_BY = {"logging_dir": "tensorboard", "trackio_space_id": "trackio", "trackio_bucket_id": "trackio",
+            "trackio_static_space_id": "trackio"}
 _warned: set[str] = set()
 
 #: HF 5.23's deprecated names of activation checkpointing: one sets the other.
@@ -44,10 +68,44 @@ ALIASES = {"gradient_checkpointing": "activation_checkpointing",
            "gradient_checkpointing_kwargs": "activation_checkpointing_kwargs"}
 
 
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a dotted name whose parent is missing
+        return False
+
+
+def _check_installed(name: str) -> None:
+    """A report_to name whose library is missing fails here, before any training, naming what to install."""
+    if name == "kubeflow":  # transformers' test: it reports to the Kubeflow Trainer job it runs in
+        if not os.environ.get("KUBEFLOW_TRAINER_SERVER_URL"):
+            raise ValueError("kubeflow needs KUBEFLOW_TRAINER_SERVER_URL (set inside a Kubeflow Trainer job)")
+        return
+    modules, package = INTEGRATIONS[name]
+    missing = [] if any(_installed(m) for m in modules) else [package]
+    if name not in OWN_INTEGRATIONS and not _installed("transformers"):
+        missing.append("transformers")  # the callback is transformers'
+    if missing == [name]:
+        raise ValueError(f"{name} is not installed; pip install {name}")
+    if missing:
+        raise ValueError(f"{name} needs {' and '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
+                         f"not installed; pip install {' '.join(missing)}")
+
+
+def available_integrations() -> list[str]:
+    """report_to "all": transformers' get_available_reporting_integrations where it is installed (its
+    order and rules), else those of raytrain's own (mlflow, tensorboard) whose library is installed."""
+    if _installed("transformers"):
+        from transformers.integrations import get_available_reporting_integrations
+
+        return list(get_available_reporting_integrations())
+    return [n for n in OWN_INTEGRATIONS if any(_installed(m) for m in INTEGRATIONS[n][0])]
+
+
 def warn_noop_fields(args) -> None:
     """Warn once per process for each accepted-but-ignored field set to other than its default."""
     for f in dataclasses.fields(args):
-        if f.name not in _HF_NOOP_WARNINGS or f.name in _warned:
+        if f.name not in _HF_NOOP_WARNINGS or f.name in _warned or _USED_BY.get(f.name) in args.report_to:
             continue
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
         if getattr(args, f.name) != default:
@@ -155,11 +213,12 @@ class ArgumentRules(StrictModel):
         out: list[str] = []
         for name in [] if v is None else [v] if isinstance(v, str) else v:
             if name == "all":
-                out += SUPPORTED_INTEGRATIONS
-            elif name in SUPPORTED_INTEGRATIONS:
+                out += available_integrations()
+            elif name in INTEGRATIONS:
+                _check_installed(name)
                 out.append(name)
             elif name != "none":
-                valid = ", ".join(["none", "all", *SUPPORTED_INTEGRATIONS])
+                valid = ", ".join(["none", "all", *INTEGRATIONS])
                 raise ValueError(f"must be one of {valid}, got {name!r}")
         return list(dict.fromkeys(out))
 

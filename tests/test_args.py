@@ -149,10 +149,10 @@ def test_resolve_steps_ratios_and_counts():
 
 def test_report_to_normalization():
     assert TrainingArguments(report_to="none").report_to == []
-    assert TrainingArguments(report_to="all").report_to == ["mlflow"]
+    assert "mlflow" in TrainingArguments(report_to="all").report_to  # and every other installed (test_trackers)
     assert TrainingArguments(report_to="mlflow").report_to == ["mlflow"]
     assert TrainingArguments(report_to=["mlflow", "none"]).report_to == ["mlflow"]
-    config_error(r"^report_to: must be one of none, all, mlflow, got 'wandb'$", report_to="wandb")
+    config_error(r"^report_to: must be one of none, all, azure_ml, .*, wandb, got 'wandbb'$", report_to="wandbb")
 
 
 def test_optim_args_string_is_parsed():
