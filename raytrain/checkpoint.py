@@ -52,11 +52,6 @@ class CheckpointError(RuntimeError):
     """A checkpoint that is incomplete, corrupt or unsafe; the message names the file."""
 
 
-class MissingCheckpointError(CheckpointError, FileNotFoundError, ValueError):
-    """No checkpoint where resume_from_checkpoint asked for one: a ValueError with HF's text first,
-    as transformers raises it, so that scripts written against HF catch and match it."""
-
-
 class ChecksumError(CheckpointError):
     """A file's bytes differ from its manifest entry (found while loading it)."""
 

@@ -59,6 +59,19 @@ def test_lint_imports_keeps_the_layers_and_sees_no_circle():
     assert " kept, 0 broken." in done.stdout and "BROKEN" not in done.stdout
 
 
+def test_every_module_of_the_package_has_a_layer():
+    """A new top-level module or subpackage is placed in pyproject's layers contract, or lint-imports would
+    not check what it may import."""
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        contracts = tomllib.load(f)["tool"]["importlinter"]["contracts"]
+    layers = next(c for c in contracts if c["type"] == "layers" and "containers" not in c)["layers"]
+    placed = {name.strip() for layer in layers for name in layer.split("|")}
+    top = {".".join(m.split(".")[:2]) for m in _modules() if m != "raytrain"}
+    assert top - placed == set(), "place these in pyproject.toml's layers contract"
+
+
 def test_the_import_graph_has_no_circle():
     mods = _modules()
     graph = {m: {dep for dep, _ in _imports(m, p, pkg, set(mods)) if dep in mods and dep != m}

@@ -33,6 +33,10 @@ RUN_MARKER = ".raytrain-run"  # in output_dir: the Ray Train run that last start
 # ---------------------------------------------------------------- which checkpoint
 
 
+class MissingCheckpointError(ckpt.CheckpointError, FileNotFoundError, ValueError):
+    """No checkpoint where one was asked for: a ValueError with HF's text first, as transformers raises."""
+
+
 def resolve(trainer: TrainerProtocol, resume) -> str | None:
     """The checkpoint to continue from, verified; or None for a fresh start (never a silent one)."""
     args = trainer.args
@@ -58,7 +62,7 @@ def resolve(trainer: TrainerProtocol, resume) -> str | None:
                 "is complete and intact (the warnings above name each bad file); repair one, pass its path, "
                 "or move them away to start over")
         if path is None and resume is True:
-            raise ckpt.MissingCheckpointError(f"No valid checkpoint found in output directory ({args.output_dir}): "
+            raise MissingCheckpointError(f"No valid checkpoint found in output directory ({args.output_dir}): "
                                               "resume_from_checkpoint=True needs a complete checkpoint-N there")
         return path
     _verify_named_checkpoint(str(resume))
@@ -82,7 +86,7 @@ def _verify_named_checkpoint(path: str) -> None:
     if not os.path.isfile(os.path.join(path, ckpt.MANIFEST)):
         why = "no such directory" if not os.path.isdir(path) else \
             f"{os.path.join(path, ckpt.MANIFEST)} is missing: the checkpoint was never completed"
-        raise ckpt.MissingCheckpointError(f"Can't find a valid checkpoint at {path} ({why})")
+        raise MissingCheckpointError(f"Can't find a valid checkpoint at {path} ({why})")
     try:
         ckpt.verify_checkpoint(path, weights_on_load=True)
     except ckpt.CheckpointError as e:
