@@ -7,10 +7,13 @@ the same TrainOutput, TrainerState and weights an in-process train() would leave
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import io
 import logging
 import os
+import re
+import sys
 import time
 
 from ..config import ConfigError
@@ -21,12 +24,18 @@ from .torch_trainer import build_torch_trainer, fit, scaling_config
 
 logger = logging.getLogger(__name__)
 
+#: Ray Train's controller logs this ERROR line once per run about its own PreemptionWatcher actor, whose
+#: worker handles Ray Core counts as "constructor arguments in the object store" (ray-project/ray#53727).
+#: The watcher feeds ray.train.get_preemption_info (worker/ray_worker.py), so it stays on; the line goes.
+PREEMPTION_WATCHER_LINE = r"'PreemptionWatcher' and ID: '\w+' has constructor arguments in the object store"
+
 
 def ensure_ray(address: str | None = None) -> None:
     """Join the cluster named by `address` or RAY_ADDRESS (set under `ray job submit`), or the one
     `ray start` recorded, or start a local one whose dashboard listens on 127.0.0.1 only. Workers of a
     local cluster import from the driver's cwd. A cluster that is gone is found within a second: a
-    named one is a one-line ConfigError, a recorded one is warned about and a local one started."""
+    named one is a one-line ConfigError, a recorded one is warned about and a local one started. Ray's
+    own INFO lines stay off the driver's console, and its colours off a console that is not a terminal."""
     import ray
 
     if ray.is_initialized():
@@ -36,6 +45,7 @@ def ensure_ray(address: str | None = None) -> None:
         source = "address" if address else "RAY_ADDRESS"
         raise ConfigError(f"no Ray cluster answers at {source}={named} (nothing listens there); start it, "
                               "or leave the address out to run on a local cluster")
+    recorded = None
     if named in (None, "auto"):  # ray.init() would join the cluster `ray start` recorded, dead or alive
         record, recorded = _recorded_cluster()
         if recorded and not _gcs_alive(recorded):
@@ -43,16 +53,76 @@ def ensure_ray(address: str | None = None) -> None:
                 raise ConfigError(f"no Ray cluster answers at {recorded}, the address {record} records "
                                       "(RAY_ADDRESS=auto); start it, or unset RAY_ADDRESS")
             logger.warning("the Ray cluster recorded in %s (%s) is gone: starting a local one", record, recorded)
-            address = "local"
+            address, recorded = "local", None
+    if not (sys.stdout.isatty() and sys.stderr.isatty()):
+        os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # read by Ray as it prints each worker line
+    _skip_worker_line(PREEMPTION_WATCHER_LINE)
     if named:
-        ray.init(address=address, log_to_driver=True)
+        ray.init(address=address, log_to_driver=True, logging_level=logging.WARNING)
         return
     paths = [os.getcwd()] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = {"PYTHONPATH": os.pathsep.join(dict.fromkeys(paths))}
     for name in ("DS_ACCELERATOR", "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO"):
         if name in os.environ:
             env[name] = os.environ[name]
-    ray.init(address=address, dashboard_host="127.0.0.1", runtime_env={"env_vars": env})
+    if recorded:  # joins the recorded cluster
+        ray.init(runtime_env={"env_vars": env}, logging_level=logging.WARNING)
+        return
+    with _gcs_port() as port, _quiet_token_default():
+        # Ray Train's PlacementGroupCleaner actor finds its cluster by RAY_ADDRESS, else by looking for
+        # GCS processes; with two clusters on one machine it fails with a traceback. Tell it ours.
+        env.setdefault("RAY_ADDRESS", f"127.0.0.1:{port}")
+        ray.init(address=address, dashboard_host="127.0.0.1", runtime_env={"env_vars": env},
+                 logging_level=logging.WARNING)
+
+
+def _skip_worker_line(pattern: str) -> None:
+    """Add `pattern` to RAY_DEDUP_LOGS_SKIP_REGEX, Ray's filter of the worker lines its driver prints (the
+    user's own pattern kept beside it). Ray compiles it when imported, which run.py's signal handling or the
+    user may have done already: the compiled filters are brought up to date too."""
+    skip = os.environ.get("RAY_DEDUP_LOGS_SKIP_REGEX") or ""
+    if pattern not in skip:
+        os.environ["RAY_DEDUP_LOGS_SKIP_REGEX"] = f"{skip}|{pattern}" if skip else pattern
+    try:
+        from ray._private import ray_logging
+    except ImportError:
+        return
+    for dedup in (ray_logging.stdout_deduplicator, ray_logging.stderr_deduplicator):
+        if dedup.skip_re is None or pattern not in dedup.skip_re.pattern:
+            dedup.skip_re = re.compile(os.environ["RAY_DEDUP_LOGS_SKIP_REGEX"])
+
+
+@contextlib.contextmanager
+def _quiet_token_default():
+    """A new local cluster gets token authentication, Ray's default (RAY_AUTH_MODE unset), without Ray's
+    warning that it did: the one message its logger has on this path. RAY_AUTH_MODE=disabled opts out."""
+    token_logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    level = token_logger.level
+    if "RAY_AUTH_MODE" not in os.environ:
+        token_logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        token_logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def _gcs_port():
+    """A free port for a new local cluster's GCS (RAY_GCS_SERVER_PORT, Ray's own choice of it where set)."""
+    import socket
+
+    chosen = os.environ.get("RAY_GCS_SERVER_PORT")
+    if chosen:
+        yield int(chosen)
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    os.environ["RAY_GCS_SERVER_PORT"] = str(port)
+    try:
+        yield port
+    finally:
+        del os.environ["RAY_GCS_SERVER_PORT"]
 
 
 def _recorded_cluster() -> tuple[str, str | None]:

@@ -13,6 +13,7 @@ import threading
 from ray.train.torch import TorchConfig
 from ray.train.torch.config import _TorchBackend
 
+from ..threads import explicit_threads
 from ..worker import ray_worker
 
 __all__ = ["build_torch_trainer", "fit", "scaling_config", "worker_error"]
@@ -32,12 +33,14 @@ def build_torch_trainer(trainer, args, *, name: str, storage_path: str | None, r
     """A TorchTrainer that runs `trainer` (pickled with `args`) on args.scaling.num_workers workers as
     run `name` under `storage_path`. `worker_config` travels to every worker beside the trainer
     (ray_worker.train_loop_per_worker reads `datasets`, `progress` and `trial`)."""
-    from ray.train import FailureConfig, RunConfig
+    from ray.train import FailureConfig, LoggingConfig, RunConfig
     from ray.train.torch import TorchTrainer
 
     config = {"trainer": ray_worker.pickle_trainer(trainer, args), "resume_from_checkpoint": resume_from_checkpoint,
               # Workers tell a restart within this fit (same id) from a new run in the same output_dir.
-              "run": f"{name}-{os.urandom(4).hex()}", **worker_config}
+              "run": f"{name}-{os.urandom(4).hex()}",
+              # The driver's OMP_NUM_THREADS: the workers' own is Ray's (their CPU count).
+              "threads": explicit_threads(), **worker_config}
     return TorchTrainer(
         ray_worker.train_loop_per_worker,
         train_loop_config=config,
@@ -46,7 +49,10 @@ def build_torch_trainer(trainer, args, *, name: str, storage_path: str | None, r
                              failure_config=FailureConfig(
                                  max_failures=args.scaling.max_failures,
                                  max_preemption_failures=args.scaling.max_preemption_failures),
-                             checkpoint_config=checkpoint_config, callbacks=callbacks),
+                             checkpoint_config=checkpoint_config, callbacks=callbacks,
+                             # Ray Train's INFO lines (resources requested, worker group started, process
+                             # group set up) stay in its log files; its warnings still print.
+                             logging_config=LoggingConfig(log_level="WARNING")),
         torch_config=_RaytrainTorchConfig(),
     )
 

@@ -218,9 +218,13 @@ def train_loop_per_worker(config: dict) -> dict | None:
 
     from . import loop
     from ..seeding import set_seed
+    from ..threads import apply_threads
 
     ctx = ray.train.get_context()
     os.environ.setdefault("LOCAL_RANK", str(ctx.get_local_rank()))
+    # On this (training) thread: the driver's OMP_NUM_THREADS, else the node's cores shared by its workers
+    # (Ray sets the worker's own OMP_NUM_THREADS to its CPUs: 1 thread by default, however many cores).
+    apply_threads(ctx.get_local_world_size(), config.get("threads"), read_env=False, pin=True)
     trainer: TrainerProtocol = cloudpickle.loads(config["trainer"])
     for key, blocks in config.get("datasets", {}).items():  # ray Datasets, executed once by the driver
         setattr(trainer, key, blocks)
