@@ -115,10 +115,12 @@ class ScalingConfig(StrictModel):
         whole = lambda n: isinstance(n, int) and not isinstance(n, bool)  # noqa: E731
         if whole(v) and v >= 1:
             return v
+        if whole(v):
+            raise ValueError(f"must be >= 1, got {v}")
         if isinstance(v, (list, tuple)) and len(v) == 2 and all(map(whole, v)) and 1 <= v[0] <= v[1]:
             return tuple(v)
-        raise ConfigError(f"scaling.num_workers: expected an integer >= 1 or [min, max] with 1 <= min <= max, "
-                          f"got {show_value(list(v) if isinstance(v, tuple) else v)}")
+        raise ValueError("expected an integer >= 1 or [min, max] with 1 <= min <= max, got "
+                         f"{show_value(list(v) if isinstance(v, tuple) else v)}")
 
     @model_validator(mode="after")
     def _split_range(self) -> ScalingConfig:
