@@ -12,7 +12,7 @@ import re
 from typing import Any, Callable, Literal, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 _NUMERIC = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$")
 _IMPORT_STRING = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
@@ -87,7 +87,13 @@ class DataConfig(_FactorySection):
 class ScalingConfig(StrictModel):
     """How many Ray Train workers and what each one gets."""
 
-    num_workers: int = Field(1, ge=1, description="number of training workers (processes)")
+    num_workers: int | tuple[int, int] = Field(
+        1, description="number of training workers (processes); [min, max]: an elastic group that Ray resizes "
+        "between min and max workers (then num_workers reads max, min_workers min)")
+    min_workers: int | None = Field(
+        None, description="the smallest elastic group, set by num_workers: [min, max]; none: a fixed size")
+    resize_interval_s: float = Field(
+        60.0, ge=0, description="elastic groups: seconds between Ray's checks whether the group can grow")
     use_gpu: bool = Field(False, description="give each worker a GPU")
     resources_per_worker: dict[str, float] | None = Field(
         None, description="Ray resources per worker, e.g. {CPU: 4, GPU: 1}"
@@ -102,6 +108,53 @@ class ScalingConfig(StrictModel):
         -1, ge=-1, description="restarts after a node preemption that Ray announced (a drained spot node: "
         "the workers save a checkpoint and stop), counted apart from max_failures; -1 retries forever")
     storage_path: str | None = Field(None, description="where Ray stores checkpoints and results (local path or URI)")
+
+    @field_validator("num_workers", mode="before")
+    @classmethod
+    def _check_num_workers(cls, v: Any) -> Any:
+        whole = lambda n: isinstance(n, int) and not isinstance(n, bool)  # noqa: E731
+        if whole(v) and v >= 1:
+            return v
+        if whole(v):
+            raise ValueError(f"must be >= 1, got {v}")
+        if isinstance(v, (list, tuple)) and len(v) == 2 and all(map(whole, v)) and 1 <= v[0] <= v[1]:
+            return tuple(v)
+        raise ValueError("expected an integer >= 1 or [min, max] with 1 <= min <= max, got "
+                         f"{show_value(list(v) if isinstance(v, tuple) else v)}")
+
+    @model_validator(mode="after")
+    def _split_range(self) -> ScalingConfig:
+        # num_workers holds the most workers (what every `num_workers > 1` check means), min_workers the least.
+        if isinstance(self.num_workers, tuple):
+            low, high = self.num_workers
+            self.__dict__.update(num_workers=high, min_workers=low)
+        if self.min_workers is not None and not 1 <= self.min_workers <= self.num_workers:
+            raise ConfigError(f"scaling.num_workers: [min, max] needs 1 <= min <= max, got "
+                              f"[{self.min_workers}, {self.num_workers}]")
+        return self
+
+    @property
+    def elastic(self) -> bool:
+        """Whether Ray may resize the group (min_workers < num_workers)."""
+        return self.min_workers is not None and self.min_workers < self.num_workers
+
+    def batch_at(self, world_size: int, per_device: int, accumulation: int) -> tuple[int, int] | None:
+        """(per_device_train_batch_size, gradient_accumulation_steps) at `world_size` workers that keep the
+        global batch of num_workers (max) workers: the accumulation changed if it divides, else the per-device
+        batch; None if neither divides."""
+        total = per_device * self.num_workers * accumulation
+        if total % (per_device * world_size) == 0:
+            return per_device, total // (per_device * world_size)
+        if total % (world_size * accumulation) == 0:
+            return total // (world_size * accumulation), accumulation
+        return None
+
+    def sizes_without_batch(self, per_device: int, accumulation: int) -> list[int]:
+        """The world sizes of the elastic range at which the global batch cannot be kept."""
+        if not self.elastic:
+            return []
+        return [w for w in range(self.min_workers, self.num_workers + 1)
+                if self.batch_at(w, per_device, accumulation) is None]
 
 
 class DistributedConfig(StrictModel):

@@ -250,11 +250,25 @@ class ArgumentRules(StrictModel):
 
             if not torch.cuda.is_available() or self.use_cpu:
                 raise ConfigError("fp16 requires a CUDA GPU (none found and scaling.use_gpu is false); use bf16 on CPU")
+        self._check_elastic_batch()
         if self.save_strategy == "best" and self.metric_for_best_model is None:
             raise ConfigError("save_strategy='best' requires metric_for_best_model to be set")
         if self.load_best_model_at_end:
             self._check_load_best()
         return self
+
+    def _check_elastic_batch(self) -> None:
+        """An elastic group keeps the global batch of its largest size at every size it may take."""
+        scaling, per_device, accum = self.scaling, self.per_device_train_batch_size, self.gradient_accumulation_steps
+        bad = scaling.sizes_without_batch(per_device, accum)
+        if bad:
+            total = per_device * scaling.num_workers * accum
+            raise ConfigError(
+                f"scaling.num_workers: [{scaling.min_workers}, {scaling.num_workers}] cannot keep the global batch "
+                f"of {total} (per_device_train_batch_size x {scaling.num_workers} workers x "
+                f"gradient_accumulation_steps) at {', '.join(map(str, bad))} worker(s): neither "
+                "gradient_accumulation_steps nor per_device_train_batch_size divides evenly there; "
+                "narrow the range or pick a global batch that every size divides")
 
     def _resolve_aliases(self) -> None:
         """As HF 5.23: a deprecated name is used only when its new name is unset; then both agree."""

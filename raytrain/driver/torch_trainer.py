@@ -20,12 +20,15 @@ __all__ = ["build_torch_trainer", "fit", "scaling_config", "worker_error"]
 
 
 def scaling_config(scaling):
-    """Ray's ScalingConfig for the `scaling` section of TrainingArguments."""
+    """Ray's ScalingConfig for the `scaling` section of TrainingArguments; an elastic range becomes
+    Ray's (min, max), whose every resize restarts the group from the latest checkpoint."""
     from ray.train import ScalingConfig
 
-    return ScalingConfig(num_workers=scaling.num_workers, use_gpu=scaling.use_gpu,
+    workers = (scaling.min_workers, scaling.num_workers) if scaling.elastic else scaling.num_workers
+    return ScalingConfig(num_workers=workers, use_gpu=scaling.use_gpu,
                          resources_per_worker=scaling.resources_per_worker,
-                         placement_strategy=scaling.placement_strategy)
+                         placement_strategy=scaling.placement_strategy,
+                         elastic_resize_monitor_interval_s=scaling.resize_interval_s)
 
 
 def build_torch_trainer(trainer, args, *, name: str, storage_path: str | None, resume_from_checkpoint=None,

@@ -43,7 +43,7 @@ import numpy as np
 import torch
 
 from .. import checkpoint as ckpt
-from . import resume, run_state
+from . import elastic, resume, run_state
 from ..data.columns import check_same_schema, count_items, is_named_datasets
 from ..data.loaders import LoaderSource, check_iterable_training, num_batches
 from ..optim import scheduler_needs_metric
@@ -64,11 +64,15 @@ class NonFiniteError(RuntimeError):
 
 
 def train(trainer: TrainerProtocol, resume_from_checkpoint=None, trial=None) -> TrainOutput:
+    configured = elastic.fit_batch(trainer.args, trainer.get_strategy().world_size)  # before the data is cut
     run = _setup(trainer)
     trainer.log_training_start(run.data, run.steps_per_epoch)  # HF's "***** Running training *****" lines
     path = resume.resolve(trainer, resume_from_checkpoint)
+    saved = None
     if path:
-        resume.restore(run, path, auto=resume_from_checkpoint is True or resume_from_checkpoint == "auto")
+        saved = resume.restore(run, path, auto=resume_from_checkpoint is True or resume_from_checkpoint == "auto")
+    if configured is not None and run.strategy.is_main:
+        elastic.announce(trainer.args, run.strategy.world_size, saved or configured)
     args, state, cb = trainer.args, trainer.state, trainer.callback_handler
     start, start_step = time.perf_counter(), state.global_step
     trainer.control = cb.on_train_begin(args, state, trainer.control)

@@ -202,8 +202,8 @@ def _step(path: str) -> int:
 # ---------------------------------------------------------------- putting the run back
 
 
-def restore(run: RunState, path: str, auto: bool) -> None:
-    """_restore, whose weights are checked against the manifest as they are read. Weights that fail
+def restore(run: RunState, path: str, auto: bool) -> dict:
+    """_restore (which returns the checkpoint's data state), whose weights are checked against the manifest as they are read. Weights that fail
     are treated as verify_checkpoint would have: skipped for the next older checkpoint (auto resume),
     used with a warning if re-saved by another tool (a named checkpoint), otherwise refused."""
     while True:
@@ -224,7 +224,7 @@ def restore(run: RunState, path: str, auto: bool) -> None:
                                            "(the warnings above name each bad file)") from None
 
 
-def _restore(run: RunState, path: str, manifest: dict | None) -> None:
+def _restore(run: RunState, path: str, manifest: dict | None) -> dict:
     """Put the run back exactly where checkpoint `path` stood. The data order is checked before any
     weights are read, and every file is read (a bad one is refused with a CheckpointError naming it)
     before anything is applied, so nothing is changed by a checkpoint that fails."""
@@ -244,6 +244,7 @@ def _restore(run: RunState, path: str, manifest: dict | None) -> None:
                        run_state.rng_file(strategy))
     logger.info("resumed from %s at step %d (epoch %d, batch %d)", path, saved.trainer_state.global_step, run.epoch,
                 run.next_batch)
+    return saved.data
 
 
 def _check_data_compat(run: RunState, saved: dict, path: str) -> None:
