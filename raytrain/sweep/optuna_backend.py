@@ -49,7 +49,8 @@ def choose_backend(backend, hp_space, kwargs: dict[str, Any]) -> str:
     if backend is not None:
         name = str(getattr(backend, "value", backend)).lower()  # transformers' HPSearchBackend too
         if name not in BACKENDS:
-            raise ValueError(f"backend: must be 'optuna' or 'ray' (None: optuna when installed, as HF), got {backend!r}")
+            raise ValueError("backend: must be 'optuna' or 'ray' (None: optuna when installed, as HF), "
+                             f"got {backend!r}")
         return name
     if importlib.util.find_spec("optuna") is None:
         return "ray"
@@ -78,7 +79,8 @@ def _optuna_space(hp_space) -> Callable:
         return lambda trial: hp_space(trial) or dict(trial.params)
     if not callable(hp_space):
         raise ValueError("hp_space: backend='optuna' takes a function of an optuna.Trial returning a dict (HF's "
-                         f"style) or a YAML-form dict, got {type(hp_space).__name__}; Ray Tune spaces need backend='ray'")
+                         f"style) or a YAML-form dict, got {type(hp_space).__name__}; Ray Tune spaces need "
+                         "backend='ray'")
     return hp_space
 
 
@@ -90,8 +92,9 @@ def _check(trainer, directions: list[str], kwargs: dict[str, Any]) -> None:
             raise ValueError(f"{key}: {whose}; backend='optuna' takes optuna.create_study's and study.optimize's "
                              f"({', '.join(_STUDY_KEYS + _OPTIMIZE_KEYS)})")
     if isinstance(kwargs.get("sampler"), str):
-        raise ValueError(f"sampler: backend='optuna' takes an Optuna sampler (e.g. optuna.samplers.TPESampler(seed=0)), "
-                         f"got {kwargs['sampler']!r}; sampler names are backend='ray''s")
+        raise ValueError("sampler: backend='optuna' takes an Optuna sampler (e.g. "
+                         f"optuna.samplers.TPESampler(seed=0)), got {kwargs['sampler']!r}; sampler names are for "
+                         "backend='ray'")
     if kwargs.get("n_jobs", 1) != 1:
         raise ValueError(f"n_jobs: backend='optuna' runs trials one after another in this process, got "
                          f"{kwargs['n_jobs']}; use backend='ray' for concurrent trials")

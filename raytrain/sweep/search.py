@@ -410,7 +410,8 @@ def _finish(grid, space, keys, modes, sweep_dir, name, tracker, plots, mirror=No
     names = space.names if isinstance(space, SearchSpace) else list(space)
     table = trials_table(grid, names, keys, modes, scope)
     if mirror is not None:  # the best report's checkpoint as Tune persisted it at the URI
-        table["checkpoint"] = [mirror.best_checkpoint(r, keys[0], modes[0], scope == "last") for r in _by_trial_id(grid, table)]
+        table["checkpoint"] = [mirror.best_checkpoint(r, keys[0], modes[0], scope == "last")
+                               for r in _by_trial_id(grid, table)]
     table.to_csv(os.path.join(sweep_dir, "trials.csv"), index=False)
     print(f"[sweep] {len(table)} trials ({display(mirror.uri) if mirror else sweep_dir}):", flush=True)
     print_table(table)
