@@ -170,13 +170,13 @@ class Trainer(ExampleScriptMethods):
         return output_dir
 
     def hyperparameter_search(self, hp_space=None, compute_objective=None, n_trials: int = 20,
-                              direction: str = "minimize", backend: str = "ray", hp_name=None, **kwargs):
-        """Search hyperparameters with Ray Tune + Optuna TPE and ASHA/PBT; returns a BestRun.
-        Needs model_init; see raytrain.sweep.search.hyperparameter_search for the keyword arguments."""
-        if backend != "ray":
-            raise ValueError(f"backend: only 'ray' is supported, got {backend!r}")
-        from .sweep.search import hyperparameter_search
-        return hyperparameter_search(self, hp_space, compute_objective, n_trials, direction, **kwargs)
+                              direction: str | list[str] = "minimize", backend: str | None = None, hp_name=None,
+                              **kwargs):
+        """Search hyperparameters as HF does (needs model_init); returns a BestRun (a list for several directions).
+        backend "optuna" (None: HF's default when installed): trials one after another in this process
+        (raytrain.sweep.optuna_backend); "ray": Ray Tune trials (raytrain.sweep.search.hyperparameter_search)."""
+        from .sweep.optuna_backend import run_hp_search
+        return run_hp_search(self, hp_space, compute_objective, n_trials, direction, backend, hp_name, **kwargs)
 
     def add_callback(self, callback) -> None:
         self.callback_handler.add_callback(callback)

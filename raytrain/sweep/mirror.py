@@ -89,19 +89,19 @@ class Mirror:
         pyarrow.fs.copy_files(f"{base}/{STUDY}", local, source_filesystem=fs)
         return True
 
-    def best_checkpoint(self, result, metric: str, mode: str) -> str:
-        """The URI of the trial's best persisted checkpoint ("" when it reported none)."""
+    def best_checkpoint(self, result, metric: str, mode: str, last: bool = False) -> str:
+        """The URI of the trial's best (last: newest) persisted checkpoint ("" when it reported none)."""
         try:
-            ckpt = result.get_best_checkpoint(metric, mode)
+            ckpt = result.checkpoint if last else result.get_best_checkpoint(metric, mode)
         except (RuntimeError, ValueError, KeyError):
             ckpt = None
-        path = ckpt.path if ckpt is not None else self._best_train_checkpoint(result, metric, mode)
+        path = ckpt.path if ckpt is not None else self._best_train_checkpoint(result, metric, mode, last)
         if not path:
             return ""
         scheme = self.uri.split("://", 1)[0]
         return f"{scheme}://{path}"
 
-    def _best_train_checkpoint(self, result, metric: str, mode: str) -> str:
+    def _best_train_checkpoint(self, result, metric: str, mode: str, last: bool = False) -> str:
         """A distributed trial's checkpoints are Ray Train's (not Tune's): its results name them
         (checkpoint_path); the best-scoring one Ray Train has not rotated away."""
         import pyarrow.fs
@@ -112,7 +112,8 @@ class Mirror:
             return ""
         rows = df[df[CHECKPOINT_PATH_KEY].fillna("").astype(str) != ""].dropna(subset=[metric])
         fs, _ = self._fs()
-        for path in rows.sort_values(metric, ascending=mode == "min", kind="stable")[CHECKPOINT_PATH_KEY]:
+        ordered = rows[::-1] if last else rows.sort_values(metric, ascending=mode == "min", kind="stable")
+        for path in ordered[CHECKPOINT_PATH_KEY]:
             if fs.get_file_info(path).type == pyarrow.fs.FileType.Directory:
                 return path
         return ""

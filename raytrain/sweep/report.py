@@ -75,9 +75,9 @@ class StatusLines(Callback):
             self.tracker.end_child(trial.trial_id, "FAILED", "failed", error)
 
 
-def trials_table(grid, param_names: list[str], objective_keys: list[str], modes: list[str]):
-    """One row per trial: id, parameters, objective(s) (each trial's best report), status, steps,
-    wall time, the best report's checkpoint and the error line of a failed trial."""
+def trials_table(grid, param_names: list[str], objective_keys: list[str], modes: list[str], scope: str = "last"):
+    """One row per trial: id, parameters, objective(s) (each trial's last report, as HF; scope="best":
+    its best), status, steps, wall time, that report's checkpoint and the error line of a failed trial."""
     import pandas as pd
 
     rows = []
@@ -92,7 +92,8 @@ def trials_table(grid, param_names: list[str], objective_keys: list[str], modes:
             scored = df.dropna(subset=[objective_keys[0]])
             if len(scored):
                 key = objective_keys[0]
-                best = scored.loc[scored[key].idxmax() if modes[0] == "max" else scored[key].idxmin()]
+                best = scored.iloc[-1] if scope == "last" else \
+                    scored.loc[scored[key].idxmax() if modes[0] == "max" else scored[key].idxmin()]
         for k in objective_keys:
             row[k] = float(best[k]) if best is not None and k in best else float("nan")
         if r.error:

@@ -41,15 +41,36 @@ SCHEDULERS = ("asha", "hyperband", "median", "pbt", "none")
 SAMPLERS = ("tpe", "random", "cmaes", "qmc")  # sampler.py builds them
 
 
-class BestRun(NamedTuple):
-    """HF's BestRun: the best trial's id, objective and hyperparameters; run_summary is the trials
-    table (a DataFrame, as trials.csv). `checkpoint` is the best evaluation's raytrain checkpoint."""
-
+class _HFBestRun(NamedTuple):
     run_id: str
     objective: float | list[float]
     hyperparameters: dict[str, Any]
     run_summary: Any = None
+
+
+def _best_run_base() -> type:
+    try:
+        from transformers.trainer_utils import BestRun as hf_best_run
+    except ImportError:
+        return _HFBestRun
+    return hf_best_run
+
+
+class BestRun(_best_run_base()):
+    """HF's BestRun (transformers.trainer_utils.BestRun when installed: isinstance holds and it unpacks
+    to HF's four fields): the best trial's id, objective and hyperparameters; run_summary is the
+    trials table (a DataFrame). `checkpoint` is the trial's raytrain checkpoint of that objective."""
+
     checkpoint: str | None = None
+
+    def __new__(cls, run_id, objective, hyperparameters, run_summary=None, checkpoint=None):
+        self = super().__new__(cls, run_id, objective, hyperparameters, run_summary)
+        self.checkpoint = checkpoint
+        return self
+
+    def __repr__(self) -> str:
+        return (f"BestRun(run_id={self.run_id!r}, objective={self.objective!r}, "
+                f"hyperparameters={self.hyperparameters!r}, checkpoint={self.checkpoint!r})")
 
 
 def default_compute_objective(metrics: dict[str, float]) -> float:
@@ -65,9 +86,12 @@ def _metric_objective(metric: str) -> Callable:
     return lambda m: m[key]
 
 
-def _built_in():
+def user_callbacks(trainer) -> list:
+    """The callbacks the user gave the Trainer (each trial's Trainer adds the built-in ones itself)."""
     from ..callbacks.mlflow import MLflowCallback
-    return (DefaultFlowCallback, PrinterCallback, ProgressCallback, MLflowCallback)
+
+    built_in = (DefaultFlowCallback, PrinterCallback, ProgressCallback, MLflowCallback)
+    return [cb for cb in trainer.callback_handler.callbacks if not isinstance(cb, built_in)]
 
 
 def _search_class():
@@ -192,6 +216,16 @@ def _check(trainer, space, directions: list[str], scheduler: str | None, sampler
 
 
 def _space(hp_space) -> SearchSpace | dict:
+    from .space import FunctionSpace, default_hp_space_optuna, function_space
+
+    if hp_space is None:  # HF's default space
+        return FunctionSpace(default_hp_space_optuna, ["learning_rate", "num_train_epochs", "seed",
+                                                       "per_device_train_batch_size"])
+    if callable(hp_space) and not isinstance(hp_space, SearchSpace):
+        # HF's Optuna style (suggests on the trial): Optuna's define-by-run on Ray Tune; else it returns a space.
+        space = function_space(hp_space)
+        if space is not None:
+            return space
     space = hp_space(None) if callable(hp_space) and not isinstance(hp_space, SearchSpace) else hp_space
     if isinstance(space, dict) and space and all(isinstance(v, dict) for v in space.values()):
         return space_from_spec(space)  # the YAML form, from Python
@@ -221,20 +255,25 @@ def _resources(args: TrainingArguments, resources_per_trial: dict | None, max_co
 
 
 def hyperparameter_search(trainer, hp_space=None, compute_objective: Callable | None = None, n_trials: int = 20,
-                          direction: str | list[str] = "minimize", scheduler: str | None = "asha",
+                          direction: str | list[str] = "minimize", scheduler: str | None = None,
                           scheduler_kwargs: dict | None = None, max_concurrent_trials: int | None = None,
                           seed: int | None = None, metric: str | None = None, resources_per_trial: dict | None = None,
                           storage_path: str | None = None, name: str | None = None, sampler: str = "tpe",
-                          resume: bool | str = False, show_trial_logs: bool = False, plots: bool = True):
-    """Search hyperparameters of `trainer` (built with model_init). Returns a BestRun, or for several
-    directions the Pareto front as a list of BestRun. resume=True continues the sweep of the same
-    name (an error if there is none), "auto" continues it if it exists; False refuses to overwrite one."""
+                          resume: bool | str = False, show_trial_logs: bool = False, plots: bool = True,
+                          scope: str = "last"):
+    """Search hyperparameters of `trainer` (built with model_init) on Ray Tune. Returns a BestRun, or for
+    several directions the Pareto front as a list of BestRun. A trial's objective is its last evaluation's
+    (HF's default; scope="best": its best). No scheduler unless one is named (HF's default). resume=True
+    continues the sweep of the same name (an error if there is none), "auto" continues it if it exists;
+    False refuses to overwrite one."""
+    if scope not in ("last", "best"):
+        raise ValueError(f"scope: must be 'last' (a trial's last evaluation) or 'best', got {scope!r}")
     from ray import tune
 
     from ..driver.launch import ensure_ray
     from .mirror import Mirror, display, restoring_into
     from .report import StatusLines
-    from .trial import join_uri, pack_trainer, run_trial, trial_dirname
+    from .trial import join_uri, pack_spec, pack_trainer, run_trial, trial_dirname
 
     directions = list(direction) if isinstance(direction, (list, tuple)) else [direction]
     space = _space(hp_space)
@@ -282,13 +321,14 @@ def hyperparameter_search(trainer, hp_space=None, compute_objective: Callable | 
     spec = {
         # Each trial trains its own copy of the user's Trainer (subclass, overrides and all arguments).
         "trainer": pack_trainer(trainer), "sweep_dir": sweep_dir,
-        "callbacks": [cb for cb in trainer.callback_handler.callbacks if not isinstance(cb, _built_in())],
+        "callbacks": user_callbacks(trainer),
         "compute_objective": compute_objective, "metric": metric, "mode": modes[0] if len(modes) == 1 else None,
         "directions": directions, "scheduler": scheduler, "mlflow": tracker.info if tracker else None,
         "show_trial_logs": show_trial_logs, "remote": remote, "uri": state_path if remote else None,
     }
     resources, max_concurrent = _resources(trainer.args, resources_per_trial, max_concurrent_trials)
-    trainable = tune.with_resources(tune.with_parameters(run_trial, spec=spec), resources)
+    # Packed: the trial puts the driver's sys.path in place before it unpickles the user's code.
+    trainable = tune.with_resources(tune.with_parameters(run_trial, spec=pack_spec(spec)), resources)
     callbacks = [StatusLines(keys, tracker)]
 
     quiet = logging.getLogger("ray.tune")
@@ -308,7 +348,7 @@ def hyperparameter_search(trainer, hp_space=None, compute_objective: Callable | 
             grid = tuner.fit()  # restores the searcher's state first
         finally:
             quiet.setLevel(level)
-    return _finish(grid, space, keys, modes, sweep_dir, name, tracker, plots, mirror)
+    return _finish(grid, space, keys, modes, sweep_dir, name, tracker, plots, mirror, scope)
 
 
 def _is_uri(path: str) -> bool:
@@ -380,14 +420,15 @@ def _checkpoint_config(mirror, keep: int | None, modes: list[str]):
     return kept_checkpoints(tune.CheckpointConfig, keep, modes[0] if len(modes) == 1 else None) if mirror else None
 
 
-def _finish(grid, space, keys, modes, sweep_dir, name, tracker, plots, mirror=None):
+def _finish(grid, space, keys, modes, sweep_dir, name, tracker, plots, mirror=None, scope="last"):
     from .mirror import display
     from .report import print_table, trials_table, write_plots
 
     names = space.names if isinstance(space, SearchSpace) else list(space)
-    table = trials_table(grid, names, keys, modes)
+    table = trials_table(grid, names, keys, modes, scope)
     if mirror is not None:  # the best report's checkpoint as Tune persisted it at the URI
-        table["checkpoint"] = [mirror.best_checkpoint(r, keys[0], modes[0]) for r in _by_trial_id(grid, table)]
+        table["checkpoint"] = [mirror.best_checkpoint(r, keys[0], modes[0], scope == "last")
+                               for r in _by_trial_id(grid, table)]
     table.to_csv(os.path.join(sweep_dir, "trials.csv"), index=False)
     print(f"[sweep] {len(table)} trials ({display(mirror.uri) if mirror else sweep_dir}):", flush=True)
     print_table(table)

@@ -106,6 +106,81 @@ class SearchSpace:
 _MISSING = object()
 
 
+class FunctionSpace(SearchSpace):
+    """HF's Optuna-style hp_space: a function of an optuna.Trial that suggests each value and returns
+    the trial's parameters as a dict (define-by-run, for OptunaSearch on Ray or Optuna itself)."""
+
+    def __init__(self, fn, names: list[str]):
+        super().__init__([])
+        self.fn, self._names = fn, list(names)
+
+    @property
+    def names(self) -> list[str]:
+        return self._names
+
+    @property
+    def conditional(self) -> bool:
+        return True  # what a function suggests may depend on earlier suggestions
+
+    def __call__(self, trial) -> dict[str, Any]:
+        params = self.fn(trial)
+        if not isinstance(params, dict):
+            raise ValueError(f"hp_space must return a dict of parameters, got {type(params).__name__}")
+        captured = getattr(trial, "captured_values", None)  # Ray's captor: the config is the returned dict only
+        if isinstance(captured, dict):
+            for name in [k for k in captured if k not in params]:
+                del captured[name]
+        return params
+
+    def describe(self) -> dict[str, str]:
+        return {n: f"{getattr(self.fn, '__name__', 'hp_space')}(trial)" for n in self._names}
+
+    def to_tune(self) -> dict[str, Any]:
+        raise ConfigError("hp_space: a function of an Optuna trial cannot give PBT its mutations; "
+                          "pass a dict space (YAML form or Ray Tune sample objects)")
+
+    def __getstate__(self):  # Tune pickles the searcher with plain pickle: the function goes by value
+        import cloudpickle
+        return {"fn": cloudpickle.dumps(self.fn), "names": self._names}
+
+    def __setstate__(self, state):
+        import cloudpickle
+        SearchSpace.__init__(self, [])
+        self.fn, self._names = cloudpickle.loads(state["fn"]), state["names"]
+
+
+def default_hp_space_optuna(trial) -> dict[str, Any]:
+    """HF's default search space (transformers.trainer_utils.default_hp_space_optuna)."""
+    return {"learning_rate": trial.suggest_float("learning_rate", 1e-6, 1e-4, log=True),
+            "num_train_epochs": trial.suggest_int("num_train_epochs", 1, 5),
+            "seed": trial.suggest_int("seed", 1, 40),
+            "per_device_train_batch_size": trial.suggest_categorical("per_device_train_batch_size", [4, 8, 16, 32, 64])}
+
+
+def function_space(hp_space) -> FunctionSpace | None:
+    """hp_space as a FunctionSpace when it is HF's Optuna style (it suggests on a probe trial of a
+    throw-away in-memory study); None when it suggests nothing (a function returning a space)."""
+    import optuna
+
+    verbosity = optuna.logging.get_verbosity()
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # no "A new study created in memory"
+    try:
+        trial = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=0)).ask()
+        try:
+            params = hp_space(trial)
+        except Exception:
+            if trial.params:
+                raise
+            return None  # e.g. a Ray-style function that reads its argument as a dict
+    finally:
+        optuna.logging.set_verbosity(verbosity)
+    if not trial.params:
+        return None
+    if not isinstance(params, dict):
+        raise ValueError(f"hp_space must return a dict of parameters, got {type(params).__name__}")
+    return FunctionSpace(hp_space, list(params))
+
+
 def space_from_spec(spec: dict[str, Any]) -> SearchSpace:
     """{"learning_rate": {"loguniform": [1e-4, 1e-2]}, ...} -> SearchSpace, or a one-line ConfigError."""
     if not isinstance(spec, dict) or not spec:

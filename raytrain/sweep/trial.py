@@ -16,6 +16,7 @@ import copy
 import json
 import logging
 import os
+import sys
 import time
 import traceback
 from typing import Any, Callable
@@ -29,6 +30,45 @@ logger = logging.getLogger(__name__)
 
 POINTER = "raytrain_checkpoint.json"
 CKPT_KEY = "raytrain_checkpoint"
+
+
+def driver_sys_path() -> list[str]:
+    """This process's import path, absolute: what the trials need to import the user's code as the
+    driver did (a directory added with sys.path.insert is in no worker's path otherwise)."""
+    return [os.path.abspath(p or os.curdir) for p in sys.path]
+
+
+def use_sys_path(paths: list[str]) -> None:
+    """Put the driver's import directories this process lacks in front of sys.path, in the driver's order."""
+    missing = [p for p in dict.fromkeys(paths) if p not in sys.path and os.path.exists(p)]
+    sys.path[:0] = missing
+
+
+def pack_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    """The trial's spec as bytes beside the driver's sys.path: Ray would unpickle a user's function in
+    it (compute_objective, callbacks) before run_trial could extend the path."""
+    import cloudpickle
+
+    return {"sys_path": driver_sys_path(), "packed": cloudpickle.dumps(spec)}
+
+
+def _unpack_spec(spec: dict[str, Any]) -> dict[str, Any]:
+    import cloudpickle
+
+    if "packed" not in spec:
+        return spec
+    use_sys_path(spec["sys_path"])
+    return cloudpickle.loads(spec["packed"])
+
+
+def _rebuild_reporter(sys_path: list[str], packed: bytes):
+    import cloudpickle
+
+    use_sys_path(sys_path)
+    cls, state = cloudpickle.loads(packed)
+    reporter = object.__new__(cls)
+    reporter.__setstate__(state)
+    return reporter
 
 
 def trial_dirname(trial) -> str:
@@ -117,6 +157,12 @@ class _WorkerReporter(_Reporter):
     def __setstate__(self, state):
         self.__dict__.update(state)
         os.environ.update(self.env)  # unpickled on the worker before MLflowCallback starts its run
+
+    def __reduce__(self):
+        # The driver's sys.path first: the state holds the user's compute_objective.
+        import cloudpickle
+
+        return _rebuild_reporter, (driver_sys_path(), cloudpickle.dumps((type(self), self.__dict__)))
 
     def report(self, metrics: dict, step: int, checkpoint_dir: str | None = None) -> None:
         import ray.train
@@ -214,6 +260,7 @@ def run_trial(config: dict[str, Any], spec: dict[str, Any]) -> None:
     output goes to <trial dir>/trial.log unless the sweep shows trial logs on the console."""
     from ray import tune
 
+    spec = _unpack_spec(spec)
     trial_dir = os.path.join(spec["sweep_dir"], f"trial_{tune.get_context().get_trial_id()}")
     if spec["show_trial_logs"]:
         return _run_trial(config, spec, trial_dir)
