@@ -271,6 +271,7 @@ def hyperparameter_search(trainer, hp_space=None, compute_objective: Callable | 
     from ray import tune
 
     from ..driver.launch import ensure_ray
+    from .continued import name_orphans, recorded_steps
     from .mirror import Mirror, display, restoring_into
     from .report import StatusLines
     from .trial import join_uri, pack_spec, pack_trainer, run_trial, trial_dirname
@@ -325,7 +326,10 @@ def hyperparameter_search(trainer, hp_space=None, compute_objective: Callable | 
         "compute_objective": compute_objective, "metric": metric, "mode": modes[0] if len(modes) == 1 else None,
         "directions": directions, "scheduler": scheduler, "mlflow": tracker.info if tracker else None,
         "show_trial_logs": show_trial_logs, "remote": remote, "uri": state_path if remote else None,
+        # the step of each trial's last result in Tune's saved state: a trial re-reports what came after
+        "recorded": recorded_steps(state_path) if restoring and not remote else {},
     }
+    name_orphans(sweep_dir, spec["recorded"])
     resources, max_concurrent = _resources(trainer.args, resources_per_trial, max_concurrent_trials)
     # Packed: the trial puts the driver's sys.path in place before it unpickles the user's code.
     trainable = tune.with_resources(tune.with_parameters(run_trial, spec=pack_spec(spec)), resources)

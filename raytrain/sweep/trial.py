@@ -25,6 +25,7 @@ from ..args import TrainingArguments, apply_overrides
 from ..callbacks import TrainerCallback
 from ..driver.torch_trainer import build_torch_trainer, fit
 from ..worker.ray_worker import pickle_trainer
+from .continued import unreported
 
 logger = logging.getLogger(__name__)
 
@@ -321,6 +322,14 @@ def _run_trial(config: dict[str, Any], spec: dict[str, Any], trial_dir: str) -> 
     reporter = _Reporter(spec["compute_objective"], n, pointer=spec["scheduler"] == "pbt" and not remote,
                          upload=remote)
     trainer.add_callback(reporter)
+    if not cloned:  # after a driver restore: what this trial evaluated after Tune's last saved state
+        max_steps, lost = unreported(resume, spec.get("recorded", {}).get(trial_id, 0))
+        if lost:
+            logger.warning("re-reporting %d evaluation(s) after step %d that the sweep's saved state lost",
+                           len(lost), spec["recorded"].get(trial_id, 0))
+            reporter.max_steps = max_steps  # the run's, as on_train_begin sets it
+        for metrics, step, saved in lost:
+            reporter.report(metrics, step, saved)
     trainer.train(resume_from_checkpoint=resume, trial=reporter)
 
 

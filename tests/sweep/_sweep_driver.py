@@ -23,6 +23,22 @@ class SlowAfterFirstEvaluation(TrainerCallback):
             time.sleep(0.5)
 
 
+class HoldLastSave(TrainerCallback):
+    """Once two trials have finished, a trial that saves its last checkpoint stops there, before reporting
+    that evaluation to Tune (marker `.holding-<trial>`), until the test SIGKILLs the sweep's driver: its
+    checkpoint runs past what Tune's saved state holds, the window a continued sweep must not lose."""
+
+    def on_train_end(self, args, state, control, **kwargs):
+        sweep, trial = os.path.split(os.path.abspath(args.output_dir))
+        open(os.path.join(sweep, f".done-{trial}"), "w").close()
+
+    def on_save(self, args, state, control, **kwargs):
+        sweep, trial = os.path.split(os.path.abspath(args.output_dir))
+        if state.global_step == state.max_steps and len([n for n in os.listdir(sweep) if n.startswith(".done-")]) >= 2:
+            open(os.path.join(sweep, f".holding-{trial}"), "w").close()
+            time.sleep(600)
+
+
 class KillWorkerOnce(TrainerCallback):
     """SIGKILLs the Ray Train worker of `rank` at the end of `step`, once per sweep (the marker file is
     shared by its trials); rank 0 appends the step each attempt starts from to its trial's starts.txt."""
@@ -87,7 +103,8 @@ def main(out: str, resume: str) -> None:
     args = TrainingArguments(output_dir=out, max_steps=40, per_device_train_batch_size=32, eval_strategy="steps",
                              eval_steps=10, save_steps=10, logging_steps=10, save_total_limit=1)
     trainer = Trainer(args=args, model_init=lambda **k: build_model(**k), train_dataset=train, eval_dataset=val,
-                      compute_metrics=compute_metrics, callbacks=[SlowAfterFirstEvaluation()])
+                      compute_metrics=compute_metrics,
+                      callbacks=[SlowAfterFirstEvaluation()] + ([HoldLastSave()] if resume == "fresh" else []))
     trainer.hyperparameter_search({"learning_rate": {"loguniform": [1e-3, 1e-2]}}, n_trials=4, direction="maximize",
                                   metric="accuracy", scheduler="none", seed=3, max_concurrent_trials=2, name="restore",
                                   resume=resume == "resume" and "auto", plots=False)

@@ -41,11 +41,14 @@ def test_sigkilled_driver_resumes_without_rerunning_finished_trials(ray_cluster,
     def events(word):
         return {ln.split()[2]: t for t, ln in list(lines) if ln.startswith("[sweep] trial ") and f" {word} " in ln}
 
-    # Kill once the first two trials have finished and a third is part-way (it reported, with a checkpoint).
+    # Kill once the first two trials have finished and a third holds its last checkpoint before reporting
+    # it (_sweep_driver.HoldLastSave): its own checkpoints run past what Tune's saved state holds.
     deadline = time.monotonic() + 400
     while time.monotonic() < deadline and proc.poll() is None:
         done, reported = events("finished"), events("reported")
-        if len(done) >= 2 and set(reported) - set(done):
+        held = [n.removeprefix(".holding-trial_") for n in (os.listdir(sweep) if sweep.is_dir() else [])
+                if n.startswith(".holding-trial_")]
+        if len(done) >= 2 and set(reported) - set(done) and held:
             break
         time.sleep(0.2)
     assert proc.poll() is None, "the sweep ended before it could be killed:\n" + "".join(ln for _, ln in lines)
@@ -69,6 +72,14 @@ def test_sigkilled_driver_resumes_without_rerunning_finished_trials(ray_cluster,
     table = pd.read_csv(sweep / "trials.csv", dtype={"trial_id": str})
     assert len(table) == 4 and set(finished) <= set(table["trial_id"])
     assert (table["status"] == "finished").all() and (table["steps"] == 40).all()
+    # The held trial re-reported the evaluation Tune's saved state lost: its objective is its step-40 accuracy.
+    for tid in held:
+        log = (sweep / f"trial_{tid}" / "trial.log").read_text()
+        assert "re-reporting 1 evaluation(s) after step 30" in log, log[-2000:]
+        state = json.loads((sweep / f"trial_{tid}" / "checkpoint-40" / "trainer_state.json").read_text())
+        (last,) = [h for h in state["log_history"] if h.get("step") == 40 and "eval_accuracy" in h]
+        row = table[table["trial_id"] == tid].iloc[0]
+        assert row["objective"] == pytest.approx(last["eval_accuracy"]), row
     # A trial killed part-way continued from its checkpoint rather than from step 0.
     resumed = [t for t in part_way & started if "resumed from" in (sweep / f"trial_{t}" / "trial.log").read_text()]
     assert resumed, [(sweep / f"trial_{t}" / "trial.log").read_text()[-1500:] for t in part_way]

@@ -1,0 +1,41 @@
+"""sweep/continued.py without Ray: what a trial re-reports after a restore, and which trial directories Tune's
+saved state does not hold (the Ray side: test_restore.py's SIGKILLed driver)."""
+
+from __future__ import annotations
+
+import json
+
+from raytrain import Trainer
+from raytrain.sweep.continued import name_orphans, recorded_steps, unreported
+from tests.tiny import TinyClassifier, args_for, columns
+
+
+def test_evaluations_after_the_recorded_step_are_read_back_from_the_checkpoint(tmp_path):
+    args = args_for(tmp_path, max_steps=20, per_device_train_batch_size=4, eval_strategy="steps", eval_steps=5,
+                    save_strategy="steps", save_steps=10, logging_steps=5)
+    trainer = Trainer(TinyClassifier(), args, train_dataset=columns(16), eval_dataset=columns(6, seed=1))
+    trainer.train()
+    last = str(tmp_path / "out" / "checkpoint-20")
+    max_steps, lost = unreported(last, 10)
+    assert max_steps == 20 and [step for _, step, _ in lost] == [15, 20]
+    evals = {h["step"]: h for h in trainer.state.log_history if "eval_loss" in h}
+    assert [m["eval_loss"] for m, _, _ in lost] == [evals[15]["eval_loss"], evals[20]["eval_loss"]]
+    assert all("step" not in m for m, _, _ in lost)
+    assert [saved for _, _, saved in lost] == [None, last]  # no checkpoint at 15 (save_steps=10)
+    assert unreported(last, 20) == (20, []) and unreported(None, 0) == (0, [])
+
+
+def test_recorded_steps_and_orphans_from_tunes_saved_state(tmp_path, capsys):
+    state = {"trial_data": [
+        [json.dumps({"trial_id": "a1"}), json.dumps({"last_result": {"step": 30}})],
+        [json.dumps({"trial_id": "b2"}), json.dumps({"last_result": {}})],
+    ]}
+    (tmp_path / "experiment_state-2026-11-24_00-00-00.json").write_text(json.dumps(state))
+    for trial in ("a1", "b2", "c3"):
+        (tmp_path / f"trial_{trial}").mkdir()
+    known = recorded_steps(str(tmp_path))
+    assert known == {"a1": 30, "b2": 0}
+    assert name_orphans(str(tmp_path), known) == [str(tmp_path / "trial_c3")]
+    assert capsys.readouterr().out == ("[sweep] not in the sweep's last saved state (started after it; left as they "
+                                       "are): trial_c3\n")
+    assert recorded_steps(str(tmp_path / "nothing")) == {} and name_orphans(str(tmp_path), {}) == []
