@@ -8,12 +8,14 @@ import random
 import numpy as np
 import torch
 
+# Imported with the package, not at the first set_seed: threads.py notes torch's count before a script's
+# own torch.set_num_threads, which it then keeps.
+from .threads import apply_threads
+
 
 def set_seed(seed: int, deterministic: bool = False) -> None:
     """Seed python, numpy and torch (CPU and CUDA); full determinism also pins the algorithms. Every run
     passes here first, so torch's thread count is settled here too (threads.py)."""
-    from .threads import apply_threads
-
     # LOCAL_WORLD_SIZE: torchrun's (and Ray Train's) processes on this node; 1 in a plain process.
     apply_threads(int(os.environ.get("LOCAL_WORLD_SIZE") or 1))
     random.seed(seed)

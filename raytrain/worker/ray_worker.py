@@ -230,8 +230,6 @@ def train_loop_per_worker(config: dict) -> dict | None:
         setattr(trainer, key, blocks)
     set_seed(trainer.args.seed, trainer.args.full_determinism)  # as Trainer.__init__ did on the driver
     strategy = trainer.get_strategy()  # rank and world from torch.distributed, set up by TorchTrainer
-    if trainer.args.log_level != "passive":  # as Trainer.__init__ on the driver; replicas: log_level_replica
-        logging.getLogger("raytrain").setLevel(trainer.args.get_process_log_level())
     preemption = PreemptionCallback(strategy)
     trial = config.get("trial")  # a sweep trial's reporter (raytrain.sweep.search) reports evaluations instead
     trainer.add_callback(trial if trial is not None else RayReportCallback(strategy))
