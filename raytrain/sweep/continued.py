@@ -48,6 +48,17 @@ def name_orphans(sweep_dir: str, known: dict[str, int]) -> list[str]:
     return orphans if known else []
 
 
+def first_start_since_restore(trial_dir: str, restored: str) -> bool:
+    """True the first time a trial starts after the restore `restored` (a token per restore): later starts
+    of the same trial (PBT pausing it, a retry) have nothing Tune lost to re-report."""
+    marker = os.path.join(trial_dir, f".restored-{restored}")
+    if os.path.exists(marker):
+        return False
+    os.makedirs(trial_dir, exist_ok=True)
+    open(marker, "w").close()
+    return True
+
+
 def unreported(checkpoint: str | None, recorded: int) -> tuple[int, list[tuple[dict[str, Any], int, str | None]]]:
     """The run's max_steps and (metrics, step, checkpoint dir or None) of each evaluation in `checkpoint`'s
     log history after `recorded`, the last step Tune heard of: what the trial reported but Tune's saved

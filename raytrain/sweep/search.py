@@ -25,6 +25,7 @@ import contextlib
 import importlib.util
 import logging
 import os
+import uuid
 from typing import Any, Callable, NamedTuple
 
 from ..args import ConfigError, TrainingArguments
@@ -327,7 +328,7 @@ def hyperparameter_search(trainer, hp_space=None, compute_objective: Callable | 
         "directions": directions, "scheduler": scheduler, "mlflow": tracker.info if tracker else None,
         "show_trial_logs": show_trial_logs, "remote": remote, "uri": state_path if remote else None,
         # the step of each trial's last result in Tune's saved state: a trial re-reports what came after
-        "recorded": recorded_steps(state_path) if restoring and not remote else {},
+        "recorded": recorded_steps(state_path) if restoring and not remote else {}, "restored": uuid.uuid4().hex,
     }
     name_orphans(sweep_dir, spec["recorded"])
     resources, max_concurrent = _resources(trainer.args, resources_per_trial, max_concurrent_trials)

@@ -25,7 +25,7 @@ from ..args import TrainingArguments, apply_overrides
 from ..callbacks import TrainerCallback
 from ..driver.torch_trainer import build_torch_trainer, fit
 from ..worker.ray_worker import pickle_trainer
-from .continued import unreported
+from .continued import first_start_since_restore, unreported
 
 logger = logging.getLogger(__name__)
 
@@ -322,11 +322,12 @@ def _run_trial(config: dict[str, Any], spec: dict[str, Any], trial_dir: str) -> 
     reporter = _Reporter(spec["compute_objective"], n, pointer=spec["scheduler"] == "pbt" and not remote,
                          upload=remote)
     trainer.add_callback(reporter)
-    if not cloned:  # after a driver restore: what this trial evaluated after Tune's last saved state
-        max_steps, lost = unreported(resume, spec.get("recorded", {}).get(trial_id, 0))
+    if not cloned and trial_id in spec.get("recorded", {}) and first_start_since_restore(trial_dir, spec["restored"]):
+        # After a driver restore: what this trial evaluated after Tune's last saved state, once.
+        max_steps, lost = unreported(resume, spec["recorded"][trial_id])
         if lost:
             logger.warning("re-reporting %d evaluation(s) after step %d that the sweep's saved state lost",
-                           len(lost), spec["recorded"].get(trial_id, 0))
+                           len(lost), spec["recorded"][trial_id])
             reporter.max_steps = max_steps  # the run's, as on_train_begin sets it
         for metrics, step, saved in lost:
             reporter.report(metrics, step, saved)

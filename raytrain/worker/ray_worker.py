@@ -230,6 +230,11 @@ def train_loop_per_worker(config: dict) -> dict | None:
         setattr(trainer, key, blocks)
     set_seed(trainer.args.seed, trainer.args.full_determinism)  # as Trainer.__init__ did on the driver
     strategy = trainer.get_strategy()  # rank and world from torch.distributed, set up by TorchTrainer
+    # Ray's workers log INFO: raytrain's INFO lines (HF's "***** Running training *****") only where the
+    # user asked for them (log_level on the main process, log_level_replica elsewhere), as HF.
+    args = trainer.args
+    logging.getLogger("raytrain").setLevel(logging.WARNING if args.log_level == "passive" and args.should_log
+                                           else args.get_process_log_level())
     preemption = PreemptionCallback(strategy)
     trial = config.get("trial")  # a sweep trial's reporter (raytrain.sweep.search) reports evaluations instead
     trainer.add_callback(trial if trial is not None else RayReportCallback(strategy))

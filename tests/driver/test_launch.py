@@ -12,7 +12,7 @@ import torch
 
 from raytrain import Trainer, TrainOutput, load_weights
 from raytrain.driver.torch_trainer import worker_error
-from tests.strategies._helpers import FaultInjector, digits_args, digits_model, state_digest
+from tests.strategies._helpers import FaultInjector, PreemptionNotice, digits_args, digits_model, state_digest
 
 pytestmark = pytest.mark.ray
 
@@ -73,25 +73,30 @@ def test_two_workers_checkpoint_resumes_on_one(ddp_run, digits, tmp_path, caplog
 
 
 @pytest.mark.xdist_group("ddp_run")
-@pytest.mark.timeout(300)
-def test_sigkill_and_sigterm_restart_the_group_and_end_bit_exact(ddp_run, digits, tmp_path):
-    """One run, two faults (a TorchTrainer start costs ~25 s here, so they share one):
+@pytest.mark.timeout(420)
+def test_sigkill_sigterm_and_a_preemption_notice_restart_the_group_and_end_bit_exact(ddp_run, digits, tmp_path):
+    """One run, three faults (a TorchTrainer start costs ~25 s here, so they share one):
     - rank 1 is SIGKILLed after step 15: Ray restarts the group, which resumes from checkpoint-10;
-    - rank 0 gets SIGTERM after step 23: a checkpoint appears a step or two later (save_steps gives
-      none before 30), the worker stops, and the restarted group resumes from it.
+    - rank 0 gets SIGTERM after step 23: a checkpoint appears at the step boundary where the ranks agree
+      on it (save_steps gives none before 30), the worker stops, and the restarted group resumes from it;
+    - Ray's preemption notice for rank 1's node after step 28 (simulated, tests/strategies/_helpers.py
+      PreemptionNotice: the rest is Ray's own): the workers save checkpoint-28 and stop; Ray's controller
+      restarts the group at the deadline, charged to max_preemption_failures: max_failures (2) is spent
+      by the first two faults, so the run would fail were the notice charged there.
     The final weights equal the uninterrupted run's bit for bit, and so do the logged losses (to float
     rounding)."""
     _, reference, _ = ddp_run
     out_dir = tmp_path / "out"
-    args = digits_args(str(out_dir), str(tmp_path / "ray"), scaling={"max_failures": 2})
-    faults = [FaultInjector(1, 15, signal.SIGKILL), FaultInjector(0, 23, signal.SIGTERM, record_starts=False)]
+    args = digits_args(str(out_dir), str(tmp_path / "ray"), scaling={"max_failures": 2, "max_preemption_failures": 1})
+    faults = [FaultInjector(1, 15, signal.SIGKILL, record_starts=False),
+              FaultInjector(0, 23, signal.SIGTERM, record_starts=False), PreemptionNotice(28)]
     trainer = Trainer(digits_model(), args, train_dataset=digits[0], callbacks=faults)
     out = trainer.train()
     assert out.global_step == 30
-    first, after_kill, after_term = _starts(out_dir)
-    assert (first, after_kill) == (0, 10)
-    assert 23 < after_term <= 26 and after_term % 10
-    assert os.path.isdir(out_dir / f"checkpoint-{after_term}")
+    first, after_kill, after_term, after_notice = _starts(out_dir)
+    assert (first, after_kill, after_notice) == (0, 10, 28)
+    assert 23 <= after_term <= 26 and after_term % 10  # the step all ranks agree on after the signal
+    assert os.path.isdir(out_dir / f"checkpoint-{after_term}") and os.path.isdir(out_dir / "checkpoint-28")
     assert state_digest(trainer.model.state_dict()) == state_digest(reference.model.state_dict())
     # The unlogged loss of the interval cut by SIGTERM is summed over ranks at the save: float order only.
     assert _losses(trainer) == pytest.approx(_losses(reference), rel=1e-6)

@@ -1,10 +1,6 @@
-"""Ray's preemption notice on a 2-worker run: the workers save a checkpoint at the step they hear of
-it and stop; Ray's controller restarts the group at the deadline, charged to max_preemption_failures
-(max_failures=0 here), and the restarted group resumes from that checkpoint and ends bit-exact.
-
-The session cluster has one node: `ray drain-node` on it would take the test session down with it,
-so the notice is simulated (tests/strategies/_helpers.py PreemptionNotice puts into the workers what
-Ray's PreemptionWatcher puts there); the rest is Ray's own."""
+"""enable_jit_checkpoint in-process: SIGTERM saves, then exits 143. (Ray's preemption notice on a 2-worker
+run is one of the three faults of test_launch.py's fault test: the session cluster has one node, and
+`ray drain-node` on it would take the session down with it, so the notice is simulated there.)"""
 
 from __future__ import annotations
 
@@ -14,29 +10,7 @@ import signal
 import subprocess
 import sys
 
-import pytest
-
-from raytrain import Trainer
-from tests.strategies._helpers import PreemptionNotice, digits_args, digits_model, state_digest
-
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-@pytest.mark.ray
-@pytest.mark.xdist_group("ddp_run")  # shares test_launch's ddp_run on one xdist worker
-@pytest.mark.timeout(400)
-def test_a_preemption_notice_saves_stops_and_restarts_bit_exact(ddp_run, digits, tmp_path):
-    _, reference, _ = ddp_run
-    out_dir = tmp_path / "out"
-    args = digits_args(str(out_dir), str(tmp_path / "ray"),
-                       scaling={"max_failures": 0, "max_preemption_failures": 1})
-    trainer = Trainer(digits_model(), args, train_dataset=digits[0], callbacks=[PreemptionNotice(13)])
-    out = trainer.train()
-    assert out.global_step == 30
-    with open(out_dir / "starts.txt") as f:
-        assert [int(line) for line in f] == [0, 13]  # stopped at the notice; resumed from its checkpoint
-    assert os.path.isdir(out_dir / "checkpoint-13")
-    assert state_digest(trainer.model.state_dict()) == state_digest(reference.model.state_dict())
 
 
 _IN_PROCESS = r"""

@@ -149,6 +149,11 @@ def test_ctrl_c_on_the_driver_of_a_ray_run_makes_the_workers_save(tmp_path):
                      r"raytrain\.run .*", line)
     assert m and m.group(1).startswith(str(out)), line
     assert 5 <= int(m.group(2)) < 46 and verify_checkpoint(m.group(1))["global_step"] == int(m.group(2))
+    # Output to pipes (not a tty), a local cluster started by the run: no colour codes, no PreemptionWatcher
+    # or token-authentication lines, no HF info blocks (test_quiet.py: a clean run's lines).
+    raw = err + p.stdout_text
+    assert "\x1b" not in raw and "PreemptionWatcher" not in raw and "Token authentication" not in raw, raw[-3000:]
+    assert "***** Running" not in raw, raw[-3000:]  # HF's info blocks need log_level info
 
 
 # ---------------------------------------------------------------- Trainer.train() called from Python

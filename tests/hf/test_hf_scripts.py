@@ -242,35 +242,3 @@ def test_dataloader_workers_give_the_same_losses(tmp_path):
         losses.append([e["loss"] for e in trainer.state.log_history if "loss" in e])
     assert len(losses[0]) == 4
     assert losses[1] == losses[0]
-
-
-def test_a_checkpoint_whose_weights_save_pretrained_sharded_resumes_exactly(tmp_path, caplog):
-    """`model.save_pretrained(checkpoint, max_shard_size=...)` into a checkpoint (as HF users do) replaces
-    model.safetensors with model-0000i-of-0000n shards and their index: naming that checkpoint resumes
-    from the shards, with a warning, and ends with the uninterrupted run's weights bit for bit."""
-    from transformers import DataCollatorWithPadding
-
-    tok, train, _ = scripts.tokenized_classification()
-
-    def trainer(out):
-        args = rt().TrainingArguments(str(out), max_steps=4, save_steps=2, per_device_train_batch_size=8,
-                                      learning_rate=1e-3, **scripts.COMMON)
-        return rt().Trainer(model=scripts.bert(tok), args=args, train_dataset=train, processing_class=tok,
-                            data_collator=DataCollatorWithPadding(tok))
-
-    whole = trainer(tmp_path / "whole")
-    whole.train()
-    ck = tmp_path / "whole" / "checkpoint-2"
-    from raytrain.checkpoint import load_weights
-    at_2 = load_weights(str(ck))
-    whole.model.load_state_dict(at_2)
-    whole.model.save_pretrained(str(ck), max_shard_size="100KB")
-    shards = sorted(n for n in os.listdir(ck) if n.startswith("model-"))
-    assert len(shards) > 1 and "model.safetensors" not in os.listdir(ck)
-    assert "model.safetensors.index.json" in os.listdir(ck)
-    resumed = trainer(tmp_path / "resumed")
-    with caplog.at_level(logging.WARNING, logger="raytrain.worker.resume"):
-        assert resumed.train(resume_from_checkpoint=str(ck)).global_step == 4
-    assert "do not match the manifest" in caplog.text
-    final = load_weights(str(tmp_path / "whole" / "checkpoint-4"))
-    assert all(torch.equal(v, final[k]) for k, v in resumed.model.state_dict().items())

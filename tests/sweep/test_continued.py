@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 from raytrain import Trainer
-from raytrain.sweep.continued import name_orphans, recorded_steps, unreported
+from raytrain.sweep.continued import first_start_since_restore, name_orphans, recorded_steps, unreported
 from tests.tiny import TinyClassifier, args_for, columns
 
 
@@ -39,3 +39,10 @@ def test_recorded_steps_and_orphans_from_tunes_saved_state(tmp_path, capsys):
     assert capsys.readouterr().out == ("[sweep] not in the sweep's last saved state (started after it; left as they "
                                        "are): trial_c3\n")
     assert recorded_steps(str(tmp_path / "nothing")) == {} and name_orphans(str(tmp_path), {}) == []
+
+
+def test_a_trial_re_reports_on_its_first_start_after_a_restore_only(tmp_path):
+    """PBT pausing a trial, or a retry, starts it again within the same restore: nothing more to re-report."""
+    trial = str(tmp_path / "trial_a1")
+    assert first_start_since_restore(trial, "r1") and not first_start_since_restore(trial, "r1")
+    assert first_start_since_restore(trial, "r2")  # the sweep's next restore
