@@ -14,11 +14,9 @@ import torch
 
 from .accelerator import Accelerator
 from .metrics import format_metrics, write_metrics
-from .optim import create_optimizer
+from .optim import create_optimizer, is_decayed
 
 logger = logging.getLogger("raytrain.trainer")
-
-_NORM_TYPES = (torch.nn.LayerNorm, torch.nn.GroupNorm, torch.nn.RMSNorm, torch.nn.modules.batchnorm._BatchNorm)
 
 
 class ExampleScriptMethods:
@@ -107,7 +105,7 @@ class ExampleScriptMethods:
         names = []
         for prefix, module in model.named_modules():
             for name, param in module.named_parameters(recurse=False):
-                if not isinstance(module, _NORM_TYPES) and param.ndim >= 2:
+                if is_decayed(module, param):
                     names.append(f"{prefix}.{name}" if prefix else name)
         return names
 

@@ -22,6 +22,11 @@ from torch.optim.lr_scheduler import LambdaLR, LRScheduler, ReduceLROnPlateau
 _NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, _BatchNorm)
 
 
+def is_decayed(module: nn.Module, param: nn.Parameter) -> bool:
+    """Whether weight decay applies to `param`, held directly by `module` (see get_parameter_groups)."""
+    return not isinstance(module, _NORM_TYPES) and param.ndim >= 2
+
+
 def get_parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Split trainable parameters into a decayed and a non-decayed group.
 
@@ -37,8 +42,7 @@ def get_parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str
             if not param.requires_grad or id(param) in seen:
                 continue
             seen.add(id(param))
-            skip = isinstance(module, _NORM_TYPES) or param.ndim < 2
-            (no_decay if skip else decay).append(param)
+            (decay if is_decayed(module, param) else no_decay).append(param)
     if weight_decay == 0:  # one group steps faster and is the same maths
         return [{"params": decay + no_decay, "weight_decay": 0.0}]
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
