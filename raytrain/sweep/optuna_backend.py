@@ -191,14 +191,15 @@ class _Objective:
         seed = int(params.get("seed", base.seed)) if params is not None else base.seed
         set_seed(seed, base.full_determinism)
         if params is not None:
-            return init(**{k.split(".", 1)[1]: v for k, v in params.items() if k.startswith("model.")})
+            from .trial import model_for_trial
+
+            return model_for_trial(init, params)
         return self.trainer.call_model_init(trial)
 
     def __call__(self, trial):
-        from .trial import trial_args
+        from .trial import takes_model_params, trial_args  # Ray Tune's trial module: loaded when a trial runs
 
-        keywords = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(self.trainer.model_init).parameters.values())
-        params = self.params(trial) if keywords else None
+        params = self.params(trial) if takes_model_params(self.trainer.model_init) else None
         model = self.model(trial, params)
         if params is None:
             params = self.params(trial)

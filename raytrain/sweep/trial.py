@@ -305,7 +305,7 @@ def _run_trial(config: dict[str, Any], spec: dict[str, Any], trial_dir: str) -> 
     if spec.get("mlflow"):
         from .tracking import start_child_run
         start_child_run(spec["mlflow"], trial_id, config, args)
-    model = _call_model_init(trainer.model_init, config)
+    model = model_for_trial(trainer.model_init, config)
     trainer.hp_search_setup(args, model, callbacks=copy.deepcopy(spec["callbacks"]),
                             trial_name=ctx.get_trial_name(), trial_params=dict(config))
     resume, cloned = _resume_point(trial_dir)
@@ -389,12 +389,18 @@ def _to_tune_callback():
     return _ToTune()
 
 
-def _call_model_init(model_init: Callable, config: dict[str, Any]):
+def takes_model_params(model_init: Callable) -> bool:
+    """Whether model_init takes **kwargs: then it gets the trial's model.* values (by both backends)."""
+    import inspect
+
+    return any(p.kind is p.VAR_KEYWORD for p in inspect.signature(model_init).parameters.values())
+
+
+def model_for_trial(model_init: Callable, config: dict[str, Any]):
     """model_init(**model.* params) if it takes keywords, model_init(config) (HF's Ray backend) if it
     takes one argument, else model_init()."""
     import inspect
 
-    params = inspect.signature(model_init).parameters.values()
-    if any(p.kind is p.VAR_KEYWORD for p in params):
+    if takes_model_params(model_init):
         return model_init(**{k.split(".", 1)[1]: v for k, v in config.items() if k.startswith("model.")})
-    return model_init(config) if len(params) == 1 else model_init()
+    return model_init(config) if len(inspect.signature(model_init).parameters) == 1 else model_init()
