@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from tests.tiny import TinyClassifier, args_for, columns
+from tests.tiny import TinyClassifier, args_for, columns, rows
 from raytrain import EarlyStoppingCallback, Trainer, TrainerCallback, TrainerState
 from raytrain.callbacks import EVENTS
 
@@ -256,7 +256,7 @@ def test_callback_kwargs_events_and_handler_signature_match_hugging_face(tmp_pat
               save_strategy="no", report_to="none", disable_tqdm=True, seed=0)
     hf_cb, ours_cb = HFKeys(), OurKeys()
     hf = transformers.Trainer(TinyClassifier(), transformers.TrainingArguments(str(tmp_path / "hf"), **kw),
-                              train_dataset=_rows(16), eval_dataset=_rows(6, seed=1), callbacks=[hf_cb])
+                              train_dataset=rows(16), eval_dataset=rows(6, seed=1), callbacks=[hf_cb])
     hf.train()
     ours = Trainer(TinyClassifier(), args_for(tmp_path, **kw), train_dataset=columns(16),
                    eval_dataset=columns(6, seed=1), callbacks=[ours_cb])
@@ -272,8 +272,3 @@ def test_callback_kwargs_events_and_handler_signature_match_hugging_face(tmp_pat
     assert list(inspect.signature(CallbackHandler).parameters) == \
         list(inspect.signature(transformers.trainer_callback.CallbackHandler).parameters)
 
-
-def _rows(n: int, seed: int = 0) -> list[dict]:
-    """columns() as the list of dicts HF's default collator takes."""
-    data = columns(n, seed)
-    return [{"x": data["x"][i], "labels": data["labels"][i]} for i in range(n)]

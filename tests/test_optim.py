@@ -383,8 +383,7 @@ def test_greedy_schedule_is_transformers_greedy_lr_stepped_as_hf_steps_it(tmp_pa
     import transformers
 
     from raytrain import Trainer
-    from tests.test_callbacks import _rows
-    from tests.tiny import TinyClassifier, args_for, columns
+    from tests.tiny import TinyClassifier, args_for, columns, rows
 
     kw = dict(max_steps=12, per_device_train_batch_size=16, logging_steps=1, eval_strategy="steps", eval_steps=1,
               save_strategy="no", report_to="none", disable_tqdm=True, seed=0, learning_rate=0.5,
@@ -392,7 +391,7 @@ def test_greedy_schedule_is_transformers_greedy_lr_stepped_as_hf_steps_it(tmp_pa
               lr_scheduler_kwargs={"patience": 1, "factor": 0.5, "min_lr": 1e-3})
     torch.manual_seed(0)
     hf = transformers.Trainer(TinyClassifier(), transformers.TrainingArguments(str(tmp_path / "hf"), **kw),
-                              train_dataset=_rows(16), eval_dataset=_rows(6, seed=1))
+                              train_dataset=rows(16), eval_dataset=rows(6, seed=1))
     hf.train()
     torch.manual_seed(0)
     ours = Trainer(TinyClassifier(), args_for(tmp_path, **kw), train_dataset=columns(16),

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from examples.digits import DigitsMLP, compute_metrics
-from tests.tiny import TinyClassifier, args_for, columns
+from tests.tiny import TinyClassifier, args_for, columns, rows
 from raytrain import Trainer, TrainerState
 
 
@@ -290,8 +290,6 @@ def test_total_flos_is_counted_as_hf_counts_it(tmp_path):
     transformers 5.23's Trainer counts it for a model that has those (PreTrainedModel's names)."""
     import transformers
 
-    from tests.test_callbacks import _rows
-    from tests.tiny import TinyClassifier, args_for, columns
 
     class Counted(TinyClassifier):
         main_input_name = "x"
@@ -301,7 +299,7 @@ def test_total_flos_is_counted_as_hf_counts_it(tmp_path):
 
     kw = dict(max_steps=3, per_device_train_batch_size=4, save_strategy="no", report_to="none", disable_tqdm=True)
     hf = transformers.Trainer(Counted(), transformers.TrainingArguments(str(tmp_path / "hf"), **kw),
-                              train_dataset=_rows(16))
+                              train_dataset=rows(16))
     hf.train()
     ours = Trainer(Counted(), args_for(tmp_path, **kw), train_dataset=columns(16))
     ours.train()

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from raytrain import EarlyStoppingCallback, Trainer, TrainerCallback
 from raytrain.checkpoint import CheckpointError
-from tests.tiny import StopAt, TinyClassifier, args_for, columns
+from tests.tiny import StopAt, TinyClassifier, args_for, columns, rows
 
 
 class Events(TrainerCallback):
@@ -56,11 +56,10 @@ def test_an_iterable_dataset_with_no_length_evaluates_and_predicts_as_hf(tmp_pat
     import transformers
     from torch.utils.data import IterableDataset
 
-    from tests.test_callbacks import _rows
 
     class Stream(IterableDataset):
         def __iter__(self):
-            return iter(_rows(10, seed=1))
+            return iter(rows(10, seed=1))
 
     calls = []
 
@@ -71,7 +70,7 @@ def test_an_iterable_dataset_with_no_length_evaluates_and_predicts_as_hf(tmp_pat
         return {"n": float(sum(n for n, _ in calls))} if compute_result else {}
 
     trainer = Trainer(TinyClassifier(), args_for(tmp_path, per_device_eval_batch_size=4), compute_metrics=metrics)
-    plain = trainer.evaluate(_rows(10, seed=1))
+    plain = trainer.evaluate(rows(10, seed=1))
     streamed = trainer.evaluate(Stream())
     assert streamed["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-6) and streamed["eval_n"] == 10.0
     hf = transformers.Trainer(trainer.model, transformers.TrainingArguments(str(tmp_path / "hf"), report_to="none",

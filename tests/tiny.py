@@ -28,6 +28,12 @@ def columns(n: int, seed: int = 0) -> dict:
     return {"x": torch.randn(n, 4, generator=g), "labels": torch.randint(0, 3, (n,), generator=g)}
 
 
+def rows(n: int, seed: int = 0) -> list[dict]:
+    """columns() as the list of dicts transformers' default collator takes (for HF's own Trainer)."""
+    data = columns(n, seed)
+    return [{"x": data["x"][i], "labels": data["labels"][i]} for i in range(n)]
+
+
 def args_for(tmp_path, **kw) -> TrainingArguments:
     base = dict(output_dir=str(tmp_path / "out"), disable_tqdm=True, report_to="none", seed=0)
     return TrainingArguments(**{**base, **kw})
