@@ -72,8 +72,9 @@ def ensure_ray(address: str | None = None) -> None:
         # Ray Train's PlacementGroupCleaner actor finds its cluster by RAY_ADDRESS, else by looking for
         # GCS processes; with two clusters on one machine it fails with a traceback. Tell it ours.
         env.setdefault("RAY_ADDRESS", f"127.0.0.1:{port}")
-        ray.init(address=address, dashboard_host="127.0.0.1", runtime_env={"env_vars": env},
-                 logging_level=logging.WARNING)
+        ray.init(address=address, dashboard_host="127.0.0.1", logging_level=logging.WARNING,
+                 runtime_env={"env_vars": env,
+                              "worker_process_setup_hook": "raytrain.driver.ray_setup.local_cluster_worker"})
 
 
 def _skip_worker_line(pattern: str) -> None:

@@ -273,7 +273,8 @@ def test_num_examples_flos_is_in_train_and_loss_context(tmp_path, caplog):
     with bf16.compute_loss_context_manager():
         assert torch.is_autocast_enabled("cpu")
     caplog.clear()
-    with caplog.at_level(logging.INFO, logger="raytrain"):
+    # raytrain.trainer's own level too: an in-process CLI run earlier in this process set it to WARNING.
+    with caplog.at_level(logging.INFO, logger="raytrain"), caplog.at_level(logging.INFO, logger="raytrain.trainer"):
         trainer.predict(scripts.regression_data(12))
     assert [r.getMessage() for r in caplog.records if r.name == "raytrain.trainer"] == [
         "\n***** Running Prediction *****", "  Num examples = 12", "  Batch size = 8"]  # HF's text for predict

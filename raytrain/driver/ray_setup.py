@@ -1,0 +1,16 @@
+"""Runs in every Ray worker process of a local cluster raytrain starts (runtime_env's
+worker_process_setup_hook): imports nothing heavy, since Ray Data's workers run it too."""
+
+from __future__ import annotations
+
+import logging
+
+# Ray Train's controller asks an autoscaling coordinator for the workers' resources; a local cluster has
+# no autoscaler, and on a busy machine the coordinator's first answer takes longer than Ray's 5 s wait,
+# which Ray logs as a warning with a traceback that "it's safe to ignore".
+_LOCAL_CLUSTER_NOISE = ("ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client",)
+
+
+def local_cluster_worker() -> None:
+    for name in _LOCAL_CLUSTER_NOISE:
+        logging.getLogger(name).setLevel(logging.ERROR)
