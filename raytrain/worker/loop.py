@@ -31,6 +31,7 @@ The loop, with every callback event in the order it fires (HF Trainer's order)::
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import math
@@ -63,7 +64,9 @@ class NonFiniteError(RuntimeError):
 # ---------------------------------------------------------------- train
 
 
-def train(trainer: TrainerProtocol, resume_from_checkpoint=None, trial=None) -> TrainOutput:
+def train(trainer: TrainerProtocol, resume_from_checkpoint=None, trial=None, locate=None) -> TrainOutput:
+    """The training loop. `locate(path)`, a context manager, gives a directory holding that checkpoint's
+    weights on this rank (Ray runs: fetched from Ray's storage where this node's disk lacks them)."""
     configured = elastic.fit_batch(trainer.args, trainer.get_strategy().world_size)  # before the data is cut
     run = _setup(trainer)
     trainer.log_training_start(run.data, run.steps_per_epoch)  # HF's "***** Running training *****" lines
@@ -95,8 +98,8 @@ def train(trainer: TrainerProtocol, resume_from_checkpoint=None, trial=None) -> 
         run.writer.close()
         _keep_only_best(trainer)
     if args.load_best_model_at_end and state.best_model_checkpoint:
-        best = state.best_model_checkpoint
-        run.strategy.load_model_state_dict(ckpt.load_weights(best, ckpt.read_manifest(best)))
+        with (locate or contextlib.nullcontext)(state.best_model_checkpoint) as best:
+            run.strategy.load_model_state_dict(ckpt.load_weights(best, ckpt.read_manifest(best)))
     metrics = _train_metrics(run, start, start_step)
     trainer.log(metrics)
     trainer.control = cb.on_train_end(args, state, trainer.control)

@@ -27,9 +27,10 @@ import torch
 
 from ..callbacks import TrainerCallback
 from ..callbacks.progress import ProgressFeeder, plain_logs, progress_callbacks
+from .. import checkpoint as ckpt
 from ..checkpoint import checkpoint_dir
 from ..checkpoint_io import disk_leaders
-from .resume import restart_point
+from .resume import complete_here, restart_point
 
 if TYPE_CHECKING:
     from .protocol import TrainerProtocol
@@ -252,7 +253,7 @@ def train_loop_per_worker(config: dict) -> dict | None:
     try:
         with reported.as_directory() if reported is not None else contextlib.nullcontext() as ray_path:
             resume = _resume_point(strategy, trainer.args.output_dir, config, ray_path)
-            out = loop.train(trainer, resume, trial)
+            out = loop.train(trainer, resume, trial, locate=_checkpoint_here)
     finally:
         _training_active.clear()
     preemption.finish(out.global_step, trainer.state.max_steps, trainer.args.save_strategy != "no")
@@ -273,6 +274,53 @@ def _resume_point(strategy, output_dir: str, config: dict, ray_path: str | None)
     if kind == "reported":
         return ray_path  # this rank's own copy of Ray's checkpoint
     return path if kind == "local" else config.get("resume_from_checkpoint")
+
+
+@contextlib.contextmanager
+def _checkpoint_here(path: str):
+    """`path` where this rank's disk holds it complete; else its manifest and weights fetched from Ray's
+    storage into a temporary directory (a node-local output_dir: another rank's disk, or a node that
+    joined after the save, e.g. load_best_model_at_end once rank 0 has moved)."""
+    if complete_here(path):
+        yield path
+        return
+    import tempfile
+
+    import pyarrow.fs
+    import ray.train
+
+    storage = ray.train.get_context().get_storage()
+    fs, root = storage.storage_filesystem, storage.experiment_fs_path
+    step = int(os.path.basename(os.path.normpath(path)).rsplit("-", 1)[-1])
+    stored = _stored_checkpoint(fs, root, step)
+    if stored is None:
+        raise ckpt.CheckpointError(f"{path}: not complete on this node's disk, and Ray's storage {root} holds no "
+                                   f"checkpoint of step {step} (save_total_limit may have removed it)")
+    source, manifest = stored
+    with tempfile.TemporaryDirectory(prefix="raytrain-checkpoint-") as local:
+        for name in [ckpt.MANIFEST] + [n for n in manifest["files"] if ckpt.is_weights_file(n)]:
+            pyarrow.fs.copy_files(f"{source}/{name}", os.path.join(local, name), source_filesystem=fs)
+        logger.info("%s fetched from Ray's storage (%s)", os.path.basename(path), source)
+        yield local
+
+
+def _stored_checkpoint(fs, root: str, step: int) -> tuple[str, dict] | None:
+    """The checkpoint directory of `step` in Ray's storage and its manifest (None: none there)."""
+    import json
+
+    import pyarrow.fs
+
+    for info in fs.get_file_info(pyarrow.fs.FileSelector(root)):
+        if info.type != pyarrow.fs.FileType.Directory:
+            continue
+        try:
+            with fs.open_input_stream(f"{info.path}/{ckpt.MANIFEST}") as f:
+                manifest = json.loads(f.read())
+        except (OSError, ValueError):
+            continue
+        if manifest.get("global_step") == step:
+            return info.path, manifest
+    return None
 
 
 def pickle_trainer(trainer: TrainerProtocol, args) -> bytes:

@@ -162,7 +162,7 @@ def restart_point(output_dir: str, run_id: str, reported: str | None, all_gather
         json.dump({"run": run_id}, f)
     os.replace(tmp, marker)
     local = gather(ckpt.get_last_checkpoint(output_dir) if restarted else None)[0]
-    if local is not None and not all(gather(_complete_here(local))):
+    if local is not None and not all(gather(complete_here(local))):
         logger.warning("restart: %s is not complete on every rank's disk (node-local output_dir): "
                        "resuming from Ray's checkpoint instead", local)
         local = None
@@ -175,7 +175,7 @@ def restart_point(output_dir: str, run_id: str, reported: str | None, all_gather
     return kind, path
 
 
-def _complete_here(path: str) -> bool:
+def complete_here(path: str) -> bool:
     """Every file of the manifest present here with its size (rank 0 checksummed them; each rank
     checks the checksums again when it resumes)."""
     try:

@@ -209,19 +209,28 @@ class SimCluster:
 
 
 class PauseOnce(TrainerCallback):
-    """On `rank`, after `step` of the first attempt: record this process's mount namespace (which
+    """On `rank`, after `step` of the first attempt (at its step end, or `at="save"`: once checkpoint-`step`
+    is written on the node's disk, before Ray has it): record this process's mount namespace (which
     node to lose) in `flag`, then wait to be killed with the node."""
 
-    def __init__(self, rank: int, step: int, flag: str):
-        self.rank, self.step, self.flag = rank, step, flag
+    def __init__(self, rank: int, step: int, flag: str, at: str = "step_end"):
+        self.rank, self.step, self.flag, self.at = rank, step, flag, at
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def _pause(self, state) -> None:
         if int(os.environ.get("RANK", 0)) == self.rank and state.global_step == self.step \
                 and not os.path.exists(self.flag):
             with open(self.flag + ".tmp", "w") as f:
                 f.write(_mount_ns(os.getpid()))
             os.replace(self.flag + ".tmp", self.flag)
             time.sleep(600)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.at == "step_end":
+            self._pause(state)
+
+    def on_save(self, args, state, control, **kwargs):
+        if self.at == "save":  # user callbacks run before the one that reports the checkpoint to Ray
+            self._pause(state)
 
 
 def main(spec_path: str) -> None:
@@ -237,20 +246,26 @@ def main(spec_path: str) -> None:
     from raytrain import Trainer
     from tests.strategies._helpers import digits_args, digits_model, state_digest
 
-    train, _ = build_datasets()
+    train, val = build_datasets()
+    # "best": evaluate at every save, the best checkpoint being the first (the highest eval_loss), so
+    # that load_best_model_at_end reads a checkpoint written before any node was lost.
+    best = dict(eval_strategy="steps", eval_steps=5, load_best_model_at_end=True, metric_for_best_model="loss",
+                greater_is_better=True) if spec.get("best") else {}
     args = digits_args(spec["output_dir"], spec.get("storage"), max_steps=20, logging_steps=1, save_steps=5,
                        scaling={"max_failures": spec.get("max_failures", 0),
                                 "resources_per_worker": {"CPU": 1, "spot": 1}},
-                       distributed={"strategy": spec.get("strategy", "ddp")})
+                       distributed=spec.get("distributed") or {"strategy": spec.get("strategy", "ddp")}, **best)
     callbacks = [PauseOnce(**spec["pause"])] if spec.get("pause") else []
     result: dict = {}
     try:
-        trainer = Trainer(digits_model(), args, train_dataset=train, callbacks=callbacks)
+        trainer = Trainer(digits_model(), args, train_dataset=train, eval_dataset=val if best else None,
+                          callbacks=callbacks)
         out = trainer.train()
         trainer.save_model(os.path.join(spec["output_dir"], "final"))
         trainer.save_state()
         result = {"global_step": out.global_step, "digest": state_digest(trainer.model.state_dict()),
                   "logs": [h for h in trainer.state.log_history if "loss" in h],
+                  "best_model_checkpoint": trainer.state.best_model_checkpoint,
                   "output_dir": sorted(os.listdir(spec["output_dir"]))}
     except Exception as e:  # noqa: BLE001 - the test asserts on it
         result = {"error": f"{type(e).__name__}: {e}"}

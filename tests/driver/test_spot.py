@@ -154,3 +154,46 @@ def test_fsdp_losing_rank_0s_node_resumes_from_storage(cluster, reference):
     _every_rank_in_storage(storage)
     shards = set(os.listdir(os.path.join(_storage_checkpoints(storage)[-1], "dcp")))
     assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= shards
+
+
+@pytest.mark.timeout(900)
+def test_losing_rank_1s_node_during_a_save_resumes_from_the_last_complete_checkpoint(cluster, reference):
+    """Rank 1's node is lost once checkpoint-15 is written on both nodes' disks but before Ray has it:
+    rank 0's disk still holds its checkpoint-15, which the new node's disk cannot complete, so the group
+    resumes from Ray's checkpoint-10 and ends bit for bit as the uninterrupted run."""
+    flag = os.path.join(cluster.storage, "lose-rank1-saving")
+    storage = os.path.join(cluster.storage, "saving")
+    run = _run(cluster, "saving", os.path.join(cluster.local, "saving"), storage, during=_lose_node_at(flag, "e"),
+               max_failures=1, pause={"rank": 1, "step": 15, "flag": flag, "at": "save"})
+    assert run["global_step"] == 20 and run["digest"] == reference["digest"]
+    assert run["logs"] == reference["logs"]
+    _every_rank_in_storage(storage)
+
+
+ZERO3 = {"strategy": "deepspeed", "deepspeed": {
+    "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+    "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": "auto"}}}}
+
+
+@pytest.fixture(scope="module")
+def zero3_reference(cluster):
+    """ZeRO-3, uninterrupted, evaluating at every save with the first checkpoint the best."""
+    return _run(cluster, "zero3-reference", os.path.join(cluster.base, "shared", "zero3"),
+                os.path.join(cluster.storage, "zero3-ref"), distributed=ZERO3, best=True)
+
+
+@pytest.mark.timeout(1200)
+def test_zero3_losing_rank_0s_node_during_a_save_ends_with_the_best_model(cluster, zero3_reference):
+    """ZeRO-3 with load_best_model_at_end: rank 0's node is lost while saving checkpoint-15; rank 0
+    restarts on a new node whose disk never held checkpoint-5, the best; the run ends with the same
+    logs and the same (best) weights as the uninterrupted ZeRO-3 run."""
+    assert zero3_reference["best_model_checkpoint"].endswith("checkpoint-5")
+    flag = os.path.join(cluster.storage, "lose-rank0-zero3")
+    storage = os.path.join(cluster.storage, "zero3")
+    run = _run(cluster, "zero3", os.path.join(cluster.local, "zero3"), storage, during=_lose_node_at(flag, "f"),
+               max_failures=1, distributed=ZERO3, best=True,
+               pause={"rank": 0, "step": 15, "flag": flag, "at": "save"})
+    assert run["global_step"] == 20 and run["logs"] == zero3_reference["logs"]
+    assert run["best_model_checkpoint"].endswith("checkpoint-5")
+    assert run["digest"] == zero3_reference["digest"]
+    _every_rank_in_storage(storage)
