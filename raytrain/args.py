@@ -102,6 +102,10 @@ class TrainingArguments(HFArgumentMethods):
         False, "on resume, restore the stateful callbacks (e.g. early stopping) with the checkpoint's arguments")
     seed: Annotated[int, Field(ge=0)] = _f(42, "random seed set at the start of training")
     data_seed: Annotated[int | None, Field(ge=0)] = _f(None, "seed for data shuffling; defaults to seed")
+    data_order: Literal["raytrain", "hf"] = _f(
+        "raytrain", "the training data's shuffle: raytrain's own, or hf: transformers' RandomSampler order (seeded "
+        "with data_seed, else seed, plus the epoch, as accelerate does), to see the losses of an in-process HF run "
+        "step for step")
     full_determinism: bool = _f(False, "use deterministic algorithms (slower)")
     bf16: bool = _f(False, "bfloat16 mixed precision")
     fp16: bool = _f(False, "float16 mixed precision with loss scaling (CUDA only)")

@@ -26,13 +26,15 @@ from .build import build_source
 from .columns import default_collate
 from .errors import DataError
 from .prefetch import timed_batches
+from .sources import hf_order
 
 logger = logging.getLogger(__name__)
 
 
 def build_loader(data: Any, batch_size: int, args: Any, **kw) -> Any:
     """The source of `data` for this rank: IterableSource for iterable datasets, else build_source
-    (wrapped in a WorkerPool when args.dataloader_num_workers > 0)."""
+    (wrapped in a WorkerPool when args.dataloader_num_workers > 0). args.data_order "hf" gives shuffled
+    map-style data HF's order; an iterable dataset is read in stream order either way, as HF reads it."""
     if isinstance(data, torch.utils.data.IterableDataset):
         return IterableSource(data, batch_size, rank=kw["rank"], world_size=kw["world_size"],
                               collate_fn=kw["collate_fn"], drop_last=kw["drop_last"], seed=kw["seed"],
@@ -40,6 +42,8 @@ def build_loader(data: Any, batch_size: int, args: Any, **kw) -> Any:
     # training for max_steps needs no epoch length: a ray Dataset of unknown count streams beside (ray_data.py)
     length_optional = kw.get("name") == "train_dataset" and getattr(args, "max_steps", 0) > 0
     source = build_source(data, batch_size, length_optional=length_optional, **kw)
+    if kw.get("shuffle", True) and getattr(args, "data_order", "raytrain") == "hf":
+        hf_order(source)
     workers = getattr(args, "dataloader_num_workers", 0)
     if workers and hasattr(source, "batch_indices") and hasattr(source, "fetch"):
         return WorkerPool(source, workers, pin_memory=args.dataloader_pin_memory and torch.cuda.is_available(),

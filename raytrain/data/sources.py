@@ -5,6 +5,10 @@ batches of `batch_size * world_size` and rank r takes the r-th of `world_size` n
 parts of each (sharding.py). Resume jumps to (epoch, batch index) by slicing the permutation; on
 another world size or batch size it continues at the same sample position of the same order (the
 partial global batch is seen again, as HF).
+
+data_order "hf" (TrainingArguments.data_order, set by hf_order): the epoch's order is HF's instead,
+torch.randperm under a generator seeded with seed + epoch (accelerate's SeedableRandomSampler); it is
+cut and resumed as above.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ class MapSource:
         self.wait_s = 0.0
         self.all_columns: list[str] | None = None  # the file's columns, when it was read projected
         self.first_batch_check: Callable | None = None  # items of a torch Dataset are checked as first read
+        self.data_order = "raytrain"  # "hf": HF's sampler order (hf_order)
 
     def __len__(self) -> int:
         return self._num_batches
@@ -63,6 +68,8 @@ class MapSource:
     def order(self, epoch: int) -> torch.Tensor:
         if not self.shuffle:
             return torch.arange(self.num_samples)
+        if self.data_order == "hf":  # RandomSampler.__iter__ under SeedableRandomSampler's seeding
+            return torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + epoch))
         return torch.from_numpy(seeded_rng(self.seed, epoch).permutation(self.num_samples))
 
     def batch_indices(self, epoch: int, batch: int, order: torch.Tensor | None = None) -> torch.Tensor:
@@ -112,9 +119,28 @@ class MapSource:
         return self.dataset.schema if isinstance(self.dataset, Columns) else None
 
     def state(self) -> dict:
-        return {"kind": self.kind, "num_samples": self.num_samples, "batch_size": self.batch_size,
-                "world_size": self.world_size, "seed": self.seed, "shuffle": self.shuffle,
-                "drop_last": self.drop_last}
+        state = {"kind": self.kind, "num_samples": self.num_samples, "batch_size": self.batch_size,
+                 "world_size": self.world_size, "seed": self.seed, "shuffle": self.shuffle,
+                 "drop_last": self.drop_last}
+        if self.data_order != "raytrain":  # the default's data_state.json stays as it was
+            state["data_order"] = self.data_order
+        return state
+
+
+def hf_order(source: Any) -> None:
+    """Give a shuffled map-style source HF's order (data_order "hf"). Several ranks split it as accelerate
+    does only when every global batch is full; a stream has no index order to permute."""
+    if not isinstance(source, MapSource):
+        raise DataError(f"data_order='hf': {source.name} ({source.where}) is streamed, and HF's sampler permutes "
+                        "the rows of an in-memory dataset; pass the data in memory (Files(..., stream=False)) "
+                        "or set data_order='raytrain'")
+    gb = source.batch_size * source.world_size
+    if source.world_size > 1 and not source.drop_last and source.num_samples % gb:
+        raise DataError(f"data_order='hf' on {source.world_size} ranks: {source.name}'s {source.num_samples} "
+                        f"samples end in a partial global batch ({source.num_samples % gb} of {gb}), which "
+                        "accelerate fills with samples from the start of the epoch and raytrain does not; set "
+                        "dataloader_drop_last=true, or data_order='raytrain'")
+    source.data_order = "hf"
 
 
 @dataclass

@@ -254,6 +254,9 @@ def _check_data_compat(run: RunState, saved: dict, path: str) -> None:
     fixed = {"num_samples": data.num_samples, "seed": data.seed}
     fixed.update({k: v for k, v in data.state().items() if k in ("kind", "shuffle", "buffer_rows", "num_blocks")})
     changed = [f"{k} {saved.get(k)} -> {v}" for k, v in fixed.items() if k in saved and saved[k] != v]
+    order = (saved.get("data_order", "raytrain"), data.state().get("data_order", "raytrain"))
+    if data.state().get("kind") == "map" and order[0] != order[1]:  # the default's state leaves it out
+        changed.append(f"data_order {order[0]} -> {order[1]}")
     if changed:
         msg = f"{path}: resuming would change the data order ({'; '.join(changed)})"
         if not args.ignore_data_skip:
