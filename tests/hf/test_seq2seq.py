@@ -249,6 +249,10 @@ def test_seq2seq_trainer_generates_on_two_ray_workers(ray_cluster, tmp_path):
 
     from raytrain import Seq2SeqTrainer, Seq2SeqTrainingArguments
 
+    def shapes(p):  # defined here: pickled by value for the workers, as HF scripts' own functions are
+        return {"pred_ndim": float(p.predictions.ndim), "pred_width": float(p.predictions.shape[-1]),
+                "rows": float(p.predictions.shape[0])}
+
     tok = corpus.tokenizer()
     model = t5(tok)
     args = Seq2SeqTrainingArguments(
@@ -257,7 +261,7 @@ def test_seq2seq_trainer_generates_on_two_ray_workers(ray_cluster, tmp_path):
         scaling={"num_workers": 2}, **COMMON)
     trainer = Seq2SeqTrainer(model=model, args=args, train_dataset=reverse_task(96, seed=0),
                              eval_dataset=reverse_task(16, seed=1), processing_class=tok,
-                             data_collator=DataCollatorForSeq2Seq(tok, model=model), compute_metrics=compute_metrics)
+                             data_collator=DataCollatorForSeq2Seq(tok, model=model), compute_metrics=shapes)
     out = trainer.train()
     assert out.global_step == 6
     evals = [h for h in trainer.state.log_history if "eval_loss" in h]
