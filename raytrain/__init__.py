@@ -18,6 +18,8 @@ _EXPORTS = {
     "optim": ["create_optimizer", "create_scheduler", "get_parameter_groups"],
     "state": ["EvalPrediction", "PredictionOutput", "TrainerControl", "TrainerState", "TrainOutput"],
     "trainer": ["Trainer", "set_seed"],
+    "seq2seq": ["Seq2SeqTrainer"],
+    "seq2seq_args": ["Seq2SeqTrainingArguments"],
     "sweep": ["BestRun", "hyperparameter_search"],
 }
 _WHERE = {name: module for module, names in _EXPORTS.items() for name in names}

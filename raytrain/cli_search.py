@@ -26,7 +26,7 @@ def run_search_cli(args: TrainingArguments, job: dict, path: str, resume: Any = 
                    spec: dict | None = None) -> int:
     """python -m raytrain.run --config X.yaml --search S.yaml [--set search.KEY=VALUE] [--resume auto|never]"""
     from .sweep import hyperparameter_search, load_search_spec, space_from_spec
-    from .trainer import Trainer
+    from .seq2seq import trainer_class
 
     spec = spec if spec is not None else load_search_spec(path)
     space = space_from_spec(spec["space"])
@@ -37,7 +37,7 @@ def run_search_cli(args: TrainingArguments, job: dict, path: str, resume: Any = 
         return factory(**{**base_kwargs, **kw})
 
     job = {k: v for k, v in job.items() if k != "model"}
-    trainer = Trainer(args=args, model_init=model_init, **job)
+    trainer = trainer_class(args)(args=args, model_init=model_init, **job)
     mode = spec.get("mode", "min")
     direction = [("maximize" if m == "max" else "minimize") for m in mode] if isinstance(mode, list) else \
         ("maximize" if mode == "max" else "minimize")

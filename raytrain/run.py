@@ -21,6 +21,7 @@ from typing import Any
 from .args import ConfigError, TrainingArguments, cli_help
 from .cli_search import SEARCH_HELP, run_search_cli
 from .config import import_string
+from .seq2seq_args import arguments_from_yaml, seq2seq_help
 
 EXIT_CONFIG = 2
 EXIT_ERROR = 1
@@ -53,7 +54,8 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m raytrain.run",
         description="Train (and evaluate) a model described by a YAML config.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="config fields (set in the YAML or with --set):\n" + cli_help() + "\n\n" + SEARCH_HELP,
+        epilog="config fields (set in the YAML or with --set):\n" + cli_help() + "\n\n" + seq2seq_help() + "\n\n"
+               + SEARCH_HELP,
     )
     p.add_argument("--config", required=True, help="YAML file with TrainingArguments and model/data sections")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -318,7 +320,7 @@ def _training_arguments(config: str, overrides: list[str]) -> TrainingArguments:
     from .sweep.space import SPEC_KEYS
 
     try:
-        return TrainingArguments.from_yaml(config, overrides)
+        return arguments_from_yaml(config, overrides)  # Seq2SeqTrainingArguments if it names their fields
     except ConfigError as e:
         name = str(e).split("'")[1] if str(e).startswith("unknown field '") else None
         if name in SPEC_KEYS:
@@ -330,10 +332,10 @@ def _training_arguments(config: str, overrides: list[str]) -> TrainingArguments:
 def _train(ns, session: _Session, args: TrainingArguments, job: dict, resume, stop) -> int:
     from .driver.signals import ray_train_signals
     from .worker.signals import StopOnSignal
-    from .trainer import Trainer
+    from .seq2seq import trainer_class
 
     session.open_log(args.output_dir)
-    trainer = Trainer(args=args, **job)
+    trainer = trainer_class(args)(args=args, **job)
     run = _TrackedRun.open(trainer, resume)
     trainer.add_callback(StopOnSignal(stop))
     resumed_at = _resumed_step(args.output_dir, resume)  # before this run writes checkpoints of its own

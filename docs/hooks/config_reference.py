@@ -40,6 +40,7 @@ def _row(name: str, annotation, default, text: str) -> str:
 
 def render() -> str:
     from raytrain.args import SECTIONS, TrainingArguments
+    from raytrain.seq2seq_args import SEQ2SEQ_FIELDS, Seq2SeqTrainingArguments
 
     head = "| field | type | default | what it does |\n|---|---|---|---|"
     hints = typing.get_type_hints(TrainingArguments, include_extras=True)
@@ -50,6 +51,11 @@ def render() -> str:
         default = f.default_factory() if f.default_factory is not MISSING else f.default
         rows.append(_row(f.name, hints[f.name], default, f.metadata.get("help", "")))
     out = ["## Training arguments", "", f"{len(rows)} fields, at the top level of a config.", "", head, *rows]
+    hints = typing.get_type_hints(Seq2SeqTrainingArguments, include_extras=True)
+    seq2seq = [_row(f.name, hints[f.name], f.default, f.metadata.get("help", ""))
+               for f in fields(Seq2SeqTrainingArguments) if f.name in SEQ2SEQ_FIELDS]
+    out += ["", "## Seq2Seq arguments", "", "`Seq2SeqTrainingArguments`' own fields, at the top level too: a config "
+            "that sets any of them runs a `Seq2SeqTrainer`.", "", head, *seq2seq]
     for section, model in SECTIONS.items():
         out += ["", f"## `{section}`", "", (model.__doc__ or "").strip().split("\n")[0], "", head]
         for name, info in model.model_fields.items():

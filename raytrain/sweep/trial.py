@@ -85,7 +85,7 @@ def trial_args(args: TrainingArguments, params: dict[str, Any], output_dir: str,
     d.update(output_dir=output_dir, overwrite_output_dir=True, disable_tqdm=True)
     if metric and mode in ("min", "max") and d.get("metric_for_best_model") is None:
         d.update(metric_for_best_model=metric, greater_is_better=mode == "max")
-    return TrainingArguments.from_dict(d)
+    return type(args).from_dict(d)  # a subclass (Seq2SeqTrainingArguments) keeps its fields
 
 
 def objectives(compute_objective: Callable, metrics: dict, n: int) -> dict[str, float]:
