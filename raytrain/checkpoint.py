@@ -38,7 +38,8 @@ MANIFEST = "manifest.json"
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
 TRAINER_STATE = "trainer_state.json"
-MAX_SHARD_BYTES = 5 * 1024**3
+MAX_SHARD_BYTES = 50 * 10**9  # save_pretrained's default max_shard_size ("50GB"), which Trainer._save uses
+PRETRAINED_CONFIGS = ("config.json", "generation_config.json")  # save_pretrained rewrites them with the weights
 ASYNC_POLICIES = ("wait", "skip")
 _CKPT_RE = re.compile(rf"^{PREFIX}-(\d+)$")
 _TMP_RE = re.compile(rf"^\.tmp-{PREFIX}-\d+$|^{PREFIX}-\d+\.replaced$")
@@ -74,28 +75,32 @@ def _dedupe_shared(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tens
 
 
 def _write_weights(state: dict[str, torch.Tensor], directory: str, max_shard_bytes: int | None = None) -> dict:
-    """Write weights as model.safetensors, or above max_shard_bytes as model-0000i-of-0000n.safetensors
-    shards plus model.safetensors.index.json; return {file name: manifest entry}."""
-    max_shard_bytes = MAX_SHARD_BYTES if max_shard_bytes is None else max_shard_bytes
+    """Write weights as model.safetensors, or as model-0000i-of-0000n.safetensors shards plus
+    model.safetensors.index.json split as save_pretrained splits them (in order, a new shard when the
+    next tensor would pass max_shard_bytes, a larger tensor alone); return {file name: manifest entry}."""
+    limit = MAX_SHARD_BYTES if max_shard_bytes is None else max_shard_bytes
     tensors, aliases = _dedupe_shared(state)
     meta = {"format": "pt", "aliases": json.dumps(aliases, sort_keys=True)}
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    if total <= max_shard_bytes:
-        return {WEIGHTS: write_safetensors(tensors, os.path.join(directory, WEIGHTS), meta)}
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
+    shards: list[dict[str, torch.Tensor]] = []
+    current, size = {}, 0
     for name, t in tensors.items():
         nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += nbytes
+        if nbytes > limit:
+            shards.append({name: t})
+            continue
+        if current and size + nbytes > limit:
+            shards.append(current)
+            current, size = {}, 0
+        current[name], size = t, size + nbytes
+    shards += [current] if current else []
+    if len(shards) <= 1:
+        return {WEIGHTS: write_safetensors(tensors, os.path.join(directory, WEIGHTS), meta)}
     entries, weight_map = {}, {}
     for i, shard in enumerate(shards, 1):
         fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
         entries[fname] = write_safetensors(shard, os.path.join(directory, fname), meta)
         weight_map.update({k: fname for k in shard})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total, "aliases": aliases}, "weight_map": weight_map}
     entries[WEIGHTS_INDEX] = write_json(index, os.path.join(directory, WEIGHTS_INDEX))
     return entries
@@ -108,12 +113,13 @@ def save_weights(state: dict[str, torch.Tensor], directory: str, max_shard_bytes
 
 
 def load_weights(directory: str, manifest: dict | None = None) -> dict[str, torch.Tensor]:
-    """Load model.safetensors or its shards (with tied-weight aliases restored), on CPU. With the
-    checkpoint's manifest, each weights file is checked against its checksum as it is read (one pass
-    over the bytes; verify_checkpoint(..., weights_on_load=True) leaves them to this)."""
+    """Load model.safetensors or its shards (with tied-weight aliases restored), on CPU: the manifest's
+    own, each checked against its checksum as it is read (one pass over the bytes; verify_checkpoint(...,
+    weights_on_load=True) leaves them to this); without one, model.safetensors first, as from_pretrained."""
     single = os.path.join(directory, WEIGHTS)
     index_path = os.path.join(directory, WEIGHTS_INDEX)
-    if os.path.exists(single):
+    entries = (manifest or {}).get("files", {})
+    if os.path.exists(single) and (manifest is None or WEIGHTS in entries or WEIGHTS_INDEX not in entries):
         files = [single]
     elif os.path.exists(index_path):
         try:
@@ -124,14 +130,15 @@ def load_weights(directory: str, manifest: dict | None = None) -> dict[str, torc
             raise CheckpointError(f"{index_path}: not a valid weights index ({e})") from e
     else:
         raise CheckpointError(f"{single}: missing (no {WEIGHTS} and no {WEIGHTS_INDEX})")
-    entries = (manifest or {}).get("files", {})
     state: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     for path in files:
         entry = entries.get(os.path.relpath(path, directory))
         expected = next(((a, entry[a]) for a in ALGORITHMS if a in entry), None) if entry else None
         if manifest is not None and expected is None:
-            raise CheckpointError(f"{path}: not in the manifest {os.path.join(directory, MANIFEST)}")
+            raise CheckpointError(f"{path}: not in the manifest {os.path.join(directory, MANIFEST)} (the index names "
+                                  "a file the checkpoint was not written with): put its own files back or resume from "
+                                  "another checkpoint")
         try:
             tensors, meta = _read_weights_file(path, expected)
         except ChecksumMismatch as e:
@@ -365,23 +372,6 @@ def is_weights_file(rel: str) -> bool:
     return rel in (WEIGHTS, WEIGHTS_INDEX) or bool(re.fullmatch(r"model-\d+-of-\d+\.safetensors", rel))
 
 
-def weights_resaved_elsewhere(path: str) -> bool:
-    """Whether the weights in `path` load and were written by another tool (save_pretrained): raytrain
-    records tied-weight aliases in every weights file's metadata, others do not."""
-    from safetensors import safe_open
-
-    names = [n for n in os.listdir(path) if n.endswith(".safetensors")]
-    try:
-        load_weights(path)
-        for name in names:
-            with safe_open(os.path.join(path, name), "pt") as f:
-                if "aliases" in (f.metadata() or {}):
-                    return False
-    except (CheckpointError, SafetensorError, OSError):
-        return False
-    return bool(names)
-
-
 def read_manifest(path: str) -> dict:
     """A checkpoint's parsed manifest, or a CheckpointError naming what is wrong with it."""
     if not os.path.isdir(path):
@@ -408,18 +398,19 @@ def verify_checkpoint(path: str, ignore_weights: bool = False, weights_on_load: 
     """Check a checkpoint against its manifest (every file present, same size, same checksum, json
     parsable; weights and trainer_state.json included); return the manifest or raise a
     CheckpointError naming the bad file and the reason. Each entry names its algorithm (xxh3_128;
-    sha256 in checkpoints of format 1). ignore_weights skips the weights files (for a checkpoint
-    whose weights were re-saved, e.g. by save_pretrained, and are checked by loading). weights_on_load
+    sha256 in checkpoints of format 1). ignore_weights skips the weights files and the configs
+    save_pretrained rewrites with them (weights re-saved by another tool, checked otherwise). weights_on_load
     checks the weights files' names and sizes only: load_weights(path, manifest) checks their checksums
     as it reads them, before anything is applied."""
     manifest = read_manifest(path)
     files, mpath = manifest["files"], os.path.join(path, MANIFEST)
+    skipped = lambda rel: ignore_weights and (is_weights_file(rel) or rel in PRETRAINED_CONFIGS)  # noqa: E731
     for required in (WEIGHTS if WEIGHTS_INDEX not in files else WEIGHTS_INDEX, TRAINER_STATE):
-        if required not in files and not (ignore_weights and is_weights_file(required)):
+        if required not in files and not skipped(required):
             raise CheckpointError(f"{os.path.join(path, required)}: missing (not in the manifest)")
     checks = []
     for rel, meta in files.items():  # every name and size first: cheap, and names the obvious damage
-        if ignore_weights and is_weights_file(rel):
+        if skipped(rel):
             continue
         fpath = os.path.join(path, rel)
         if not os.path.isfile(fpath):

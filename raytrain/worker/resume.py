@@ -5,9 +5,11 @@ Who asks: Trainer.train's resume_from_checkpoint (resolve), the CLI's --resume n
 (fresh_start_refusal) and its MLflow run (likely_checkpoint), a restarted Ray Train run
 (restart_point), a restarted sweep trial (choose: PBT's clone or the trial's own newest).
 
-Everything is read, and checked against the manifest, before anything is applied: a checkpoint that
-fails changes nothing. The weights are checksummed while they are read (one pass over their bytes),
-the other files by verify_checkpoint before that.
+Checkpoints whose weights raytrain did not write (transformers' Trainer's, weights re-saved by
+save_pretrained) follow hf_checkpoint.py's rules. Everything is read, and checked against the
+manifest, before anything is applied: a checkpoint that fails changes nothing. The weights are
+checksummed while they are read (one pass over their bytes), the other files by verify_checkpoint
+before that.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import shutil
 from typing import TYPE_CHECKING
 
 from .. import checkpoint as ckpt
-from . import run_state
+from . import hf_checkpoint, run_state
 
 if TYPE_CHECKING:
     from .protocol import TrainerProtocol
@@ -54,7 +56,7 @@ def resolve(trainer: TrainerProtocol, resume) -> str | None:
                 _archive_previous_run(args.output_dir, [p for _, p in existing])
         return None
     if resume is True or resume == "auto":
-        path = ckpt.get_last_checkpoint(args.output_dir, weights_on_load=True)
+        path = _newest_transformers(args.output_dir) or ckpt.get_last_checkpoint(args.output_dir, weights_on_load=True)
         found = ckpt.sorted_checkpoints(args.output_dir)
         if path is None and found:  # every one is corrupt: starting over would silently lose them
             raise ckpt.CheckpointError(
@@ -64,9 +66,30 @@ def resolve(trainer: TrainerProtocol, resume) -> str | None:
         if path is None and resume is True:
             raise MissingCheckpointError(f"No valid checkpoint found in output directory ({args.output_dir}): "
                                               "resume_from_checkpoint=True needs a complete checkpoint-N there")
+        if path is not None and not hf_checkpoint.written_by_transformers(path):
+            _warn(hf_checkpoint.resave_note(path, ckpt.read_manifest(path)))  # weights files it does not list
         return path
     _verify_named_checkpoint(str(resume))
     return str(resume)
+
+
+def _newest_transformers(output_dir: str) -> str | None:
+    """The newest checkpoints of output_dir that transformers' Trainer wrote (no manifest), newest first,
+    until one of raytrain's: the first that is complete."""
+    for _, path in reversed(ckpt.sorted_checkpoints(output_dir)):
+        if not hf_checkpoint.written_by_transformers(path):
+            return None
+        try:
+            _warn(hf_checkpoint.verify_transformers(path))
+            return path
+        except ckpt.CheckpointError as e:
+            logger.warning("skipping checkpoint %s: %s", path, e)
+    return None
+
+
+def _warn(note: str | None) -> None:
+    if note:
+        logger.warning("%s", note)
 
 
 def fresh_start_refusal(output_dir: str, existing: list[tuple[int, str]] | None = None) -> str | None:
@@ -81,22 +104,27 @@ def fresh_start_refusal(output_dir: str, existing: list[tuple[int, str]] | None 
 
 
 def _verify_named_checkpoint(path: str) -> None:
-    """A checkpoint named explicitly is verified; if only its weights differ from the manifest (re-saved
-    by save_pretrained, e.g. sharded), it is used with a warning once the weights load."""
+    """A checkpoint named explicitly is verified. If weights files differ from the manifest (re-saved by
+    save_pretrained, e.g. sharded), it is used with a warning when the manifest's own weights are all
+    there or the re-save is a complete set (hf_checkpoint.resave_note), else refused. One without a
+    manifest is used, with a warning, if transformers' Trainer wrote it."""
     if not os.path.isfile(os.path.join(path, ckpt.MANIFEST)):
+        if hf_checkpoint.written_by_transformers(path):
+            return _warn(hf_checkpoint.verify_transformers(path))
         why = "no such directory" if not os.path.isdir(path) else \
             f"{os.path.join(path, ckpt.MANIFEST)} is missing: the checkpoint was never completed"
         raise MissingCheckpointError(f"Can't find a valid checkpoint at {path} ({why})")
+    error = None
     try:
         ckpt.verify_checkpoint(path, weights_on_load=True)
     except ckpt.CheckpointError as e:
-        bad = str(e).split(":", 1)[0]
-        if not (bad.startswith(path) and ckpt.is_weights_file(os.path.relpath(bad, path))
-                and ckpt.weights_resaved_elsewhere(path)):
-            raise  # raytrain's own weights that fail their manifest are corrupt
+        bad = os.path.relpath(str(e).split(":", 1)[0], path)
+        if not (ckpt.is_weights_file(bad) or bad in ckpt.PRETRAINED_CONFIGS):
+            raise  # raytrain's own files that fail their manifest are corrupt
+        error = e
+    _warn(hf_checkpoint.resave_note(path, ckpt.read_manifest(path), error))
+    if error is not None:
         ckpt.verify_checkpoint(path, ignore_weights=True)
-        logger.warning("%s; its weights do not match the manifest (re-saved, e.g. by save_pretrained?): "
-                       "resuming with them as they are now, every other file verified", e)
 
 
 def _archive_previous_run(output_dir: str, paths: list[str]) -> str:
@@ -203,19 +231,24 @@ def _step(path: str) -> int:
 
 
 def restore(run: RunState, path: str, auto: bool) -> dict:
-    """_restore (which returns the checkpoint's data state), whose weights are checked against the manifest as they are read. Weights that fail
-    are treated as verify_checkpoint would have: skipped for the next older checkpoint (auto resume),
-    used with a warning if re-saved by another tool (a named checkpoint), otherwise refused."""
+    """_restore (which returns the checkpoint's data state), whose weights are checked against the
+    manifest as they are read: the manifest's own when they are all there, else (a checkpoint named
+    explicitly, resolve checked the set) the re-saved ones. Weights that fail are treated as
+    verify_checkpoint would have: skipped for the next older checkpoint (auto resume), used with a
+    warning if re-saved in place by another tool (a named checkpoint), otherwise refused."""
+    if hf_checkpoint.written_by_transformers(path):
+        return _restore(run, path, None, transformers=True)
     while True:
+        manifest = ckpt.read_manifest(path)
         try:
-            return _restore(run, path, ckpt.read_manifest(path))
+            return _restore(run, path, manifest if hf_checkpoint.manifest_weights_intact(path, manifest) else None)
         except ckpt.ChecksumError as e:
-            if not auto and ckpt.weights_resaved_elsewhere(path):
-                logger.warning("%s; its weights do not match the manifest (re-saved, e.g. by save_pretrained?): "
-                               "resuming with them as they are now, every other file verified", e)
+            if not auto and hf_checkpoint.resaved_in_place(path, manifest):
+                logger.warning("%s; its weights do not match the manifest (re-saved in place by another tool, e.g. "
+                               "save_pretrained?): resuming with them as they are now, every other file verified", e)
                 return _restore(run, path, None)
             if not auto:
-                raise
+                raise ckpt.ChecksumError(f"{e}: {hf_checkpoint.ADVICE}") from None
             logger.warning("skipping checkpoint %s: %s; trying the next older one", path, e)
             step = next(s for s, p in ckpt.sorted_checkpoints(run.trainer.args.output_dir) if p == path)
             path = ckpt.get_last_checkpoint(run.trainer.args.output_dir, weights_on_load=True, before_step=step)
@@ -224,14 +257,20 @@ def restore(run: RunState, path: str, auto: bool) -> dict:
                                            "(the warnings above name each bad file)") from None
 
 
-def _restore(run: RunState, path: str, manifest: dict | None) -> dict:
-    """Put the run back exactly where checkpoint `path` stood. The data order is checked before any
-    weights are read, and every file is read (a bad one is refused with a CheckpointError naming it)
-    before anything is applied, so nothing is changed by a checkpoint that fails."""
+def _restore(run: RunState, path: str, manifest: dict | None, transformers: bool = False) -> dict:
+    """Put the run back exactly where checkpoint `path` stood (one of transformers' Trainer: as HF
+    resumes it). The data order is checked before any weights are read, and every file is read (a
+    bad one is refused with a CheckpointError naming it) before anything is applied, so nothing is
+    changed by a checkpoint that fails."""
     strategy = run.strategy
-    saved = run_state.read_states(path)
+    saved = hf_checkpoint.read_states(run, path) if transformers else run_state.read_states(path)
     _check_data_compat(run, saved.data, path)
-    run_state.read_files(run, saved, manifest)
+    if transformers:
+        hf_checkpoint.read_files(run, saved)
+    else:
+        run_state.read_files(run, saved, manifest)
+        if manifest is None:  # re-saved by save_pretrained, which leaves tied weights out
+            saved.weights = hf_checkpoint.tie_missing(saved.weights, run.trainer.model)
     if strategy.scaler is not None and saved.scaler is None:
         logger.warning("%s: no scaler.pt (the run did not use fp16); the fp16 loss scale starts fresh", path)
     before, now = saved.trainer_state.max_steps, run.trainer.state.max_steps
