@@ -116,7 +116,9 @@ def resave_note(path: str, manifest: dict, error: ckpt.CheckpointError | None = 
     try:
         loaded, ours = weight_set(path)
     except ckpt.CheckpointError as e:
-        raise ckpt.CheckpointError(f"{first}{e}; the weights no longer match {mpath} and are not a complete "
+        if first:  # a damaged weights file of the manifest, not a re-save: its own words say it
+            raise error from None
+        raise ckpt.CheckpointError(f"{e}; the weights no longer match {mpath} and are not a complete "
                                    f"re-save: {ADVICE}") from None
     if ours:
         rel = next((r for r in changed if r in loaded), loaded[0])

@@ -233,6 +233,18 @@ class PauseOnce(TrainerCallback):
             self._pause(state)
 
 
+class StepMarks(TrainerCallback):
+    """Rank 0 appends [wall time, perf_counter, step] at every step end to `path` (across restarts)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.is_world_process_zero:
+            with open(self.path, "a") as f:
+                f.write(json.dumps([time.time(), time.perf_counter(), state.global_step]) + "\n")
+
+
 def main(spec_path: str) -> None:
     """Train the digits job on the cluster at spec["address"]; write losses, a digest of the final
     weights and what the driver's output_dir holds to spec["result"]."""
@@ -256,6 +268,8 @@ def main(spec_path: str) -> None:
                                 "resources_per_worker": {"CPU": 1, "spot": 1}},
                        distributed=spec.get("distributed") or {"strategy": spec.get("strategy", "ddp")}, **best)
     callbacks = [PauseOnce(**spec["pause"])] if spec.get("pause") else []
+    if spec.get("marks"):  # benchmarks/distributed.py
+        callbacks.append(StepMarks(spec["marks"]))
     result: dict = {}
     try:
         trainer = Trainer(digits_model(), args, train_dataset=train, eval_dataset=val if best else None,

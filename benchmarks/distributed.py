@@ -1,0 +1,150 @@
+"""Distributed checkpoints and recovery on Ray: what a save costs the step, what a lost node costs the run.
+
+    python benchmarks/distributed.py [--mb 32] [--steps 40] [--rounds 2] [--parts saves,recovery]
+
+  saves:    2 Ray workers (DDP, then FSDP2), a checkpoint every 10 steps against none: median and mean
+            step time (rank 0, step end to step end; a step that saves carries its save), runs of the
+            two modes alternated over rounds, on one local Ray cluster (target: median <= 1.05x).
+  recovery: the simulated cluster of tests/driver/cluster.py (a head and two worker nodes with their
+            own disks, needs root): rank 1's node is lost after step 12 of the digits job and a new
+            node joins; prints the seconds from the loss to the first step the restarted group ends,
+            against the seconds from the driver's start to the first step of a fresh run.
+Timings never decide a test; on a shared machine, rerun for stable figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from tests.driver.cluster import SimCluster, StepMarks  # noqa: E402
+
+
+def _marks(path: str) -> list[list[float]]:
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+# ---------------------------------------------------------------- saves
+
+
+def _saves_run(tmp: str, strategy: str, mode: str, mb: int, steps: int) -> list[float]:
+    from benchmarks.checkpoint import big_mlp, data
+    from raytrain import Trainer, TrainingArguments
+
+    marks = os.path.join(tmp, f"{strategy}-{mode}.marks")
+    if os.path.exists(marks):
+        os.remove(marks)
+    out = os.path.join(tmp, f"{strategy}-{mode}")
+    args = TrainingArguments(output_dir=out, max_steps=steps + 1, per_device_train_batch_size=8, learning_rate=1e-4,
+                             logging_steps=10**6, disable_tqdm=True, report_to="none", overwrite_output_dir=True,
+                             save_strategy="no" if mode == "none" else "steps", save_steps=10,
+                             scaling={"num_workers": 2, "storage_path": os.path.join(tmp, "ray")},
+                             distributed={"strategy": strategy})
+    torch.manual_seed(0)
+    Trainer(big_mlp(mb), args, train_dataset=data(16 * (steps + 1)), callbacks=[StepMarks(marks)]).train()
+    shutil.rmtree(out, ignore_errors=True)
+    times = [m[1] for m in _marks(marks)]
+    return [b - a for a, b in zip(times, times[1:])][1:]  # the first interval is warm-up
+
+
+def bench_saves(tmp: str, mb: int, steps: int, rounds: int) -> dict:
+    out = {}
+    for strategy in ("ddp", "fsdp"):
+        got: dict[str, list[float]] = {"none": [], "save": []}
+        for i in range(rounds):
+            for mode in (["none", "save"] if i % 2 == 0 else ["save", "none"]):
+                got[mode] += _saves_run(tmp, strategy, mode, mb, steps)
+        out[strategy] = {m: {"median": statistics.median(v), "mean": statistics.fmean(v)} for m, v in got.items()}
+    return out
+
+
+# ---------------------------------------------------------------- recovery
+
+
+def bench_recovery() -> dict:
+    sim = SimCluster()
+    try:
+        sim.start_head()
+        sim.add_node("a")
+        sim.add_node("b")
+        fresh_marks = os.path.join(sim.storage, "fresh.marks")
+        start = time.time()
+        proc = sim.drive({"result": os.path.join(sim.base, "fresh.json"), "output_dir": os.path.join(sim.local, "f"),
+                          "storage": os.path.join(sim.storage, "f"), "marks": fresh_marks})
+        proc.wait(600)
+        cold = _marks(fresh_marks)[0][0] - start
+        flag = os.path.join(sim.storage, "lose")
+        lost_marks = os.path.join(sim.storage, "lost.marks")
+        proc = sim.drive({"result": os.path.join(sim.base, "lost.json"), "output_dir": os.path.join(sim.local, "l"),
+                          "storage": os.path.join(sim.storage, "l"), "max_failures": 1, "marks": lost_marks,
+                          "pause": {"rank": 1, "step": 12, "flag": flag}})
+        while not os.path.exists(flag):
+            if proc.poll() is not None:
+                raise RuntimeError(f"the run ended before its pause; see {sim.base}")
+            time.sleep(0.2)
+        with open(flag) as f:
+            ns = f.read()
+        lost_at = time.time()
+        sim.lose(ns)
+        sim.add_node("c")
+        proc.wait(600)
+        with open(os.path.join(sim.base, "lost.json")) as f:
+            result = json.load(f)
+        if "error" in result:
+            raise RuntimeError(result["error"])
+        after = [m for m in _marks(lost_marks) if m[0] > lost_at]
+        return {"cold_start_to_first_step_s": cold, "loss_to_first_step_s": after[0][0] - lost_at,
+                "resumed_at_step": after[0][2] - 1}
+    finally:
+        sim.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--mb", type=int, default=32)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--parts", default="saves,recovery")
+    a = p.parse_args()
+    parts = set(a.parts.split(","))
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}")
+    if "saves" in parts:
+        import ray
+
+        tmp = tempfile.mkdtemp(prefix="rtdist")
+        try:
+            from raytrain.driver.launch import ensure_ray
+
+            ensure_ray(None)
+            r = bench_saves(tmp, a.mb, a.steps, a.rounds)
+        finally:
+            ray.shutdown()
+            shutil.rmtree(tmp, ignore_errors=True)
+        for strategy, m in r.items():
+            print(f"saves {strategy}: a {a.mb} MiB model, a checkpoint every 10 steps vs none: median step "
+                  f"{m['save']['median'] * 1e3:.1f} vs {m['none']['median'] * 1e3:.1f} ms "
+                  f"({m['save']['median'] / m['none']['median']:.2f}x), mean {m['save']['mean'] * 1e3:.1f} vs "
+                  f"{m['none']['mean'] * 1e3:.1f} ms ({m['save']['mean'] / m['none']['mean']:.2f}x)")
+    if "recovery" in parts:
+        r = bench_recovery()
+        print(f"recovery: rank 1's node lost after step 12, resumed at step {r['resumed_at_step']}: "
+              f"{r['loss_to_first_step_s']:.1f} s from the loss to the first step after it, against "
+              f"{r['cold_start_to_first_step_s']:.1f} s from a fresh run's start to its first step "
+              f"({r['loss_to_first_step_s'] / r['cold_start_to_first_step_s']:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
