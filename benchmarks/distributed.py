@@ -2,9 +2,10 @@
 
     python benchmarks/distributed.py [--mb 32] [--steps 40] [--rounds 2] [--parts saves,recovery]
 
-  saves:    2 Ray workers (DDP, then FSDP2), a checkpoint every 10 steps against none: median and mean
-            step time (rank 0, step end to step end; a step that saves carries its save), runs of the
-            two modes alternated over rounds, on one local Ray cluster (target: median <= 1.05x).
+  saves:    2 Ray workers (DDP, then FSDP2), a checkpoint every 10 steps, synchronous and in the
+            background (save_async), against none: median and mean step time (rank 0, step end to step
+            end; a step that saves carries its save), the order of the three modes rotated over
+            rounds, on one local Ray cluster (target: median <= 1.05x).
   recovery: the simulated cluster of tests/driver/cluster.py (a head and two worker nodes with their
             own disks, needs root): rank 1's node is lost after step 12 of the digits job and a new
             node joins; prints the seconds from the loss to the first step the restarted group ends,
@@ -51,6 +52,7 @@ def _saves_run(tmp: str, strategy: str, mode: str, mb: int, steps: int) -> list[
     args = TrainingArguments(output_dir=out, max_steps=steps + 1, per_device_train_batch_size=8, learning_rate=1e-4,
                              logging_steps=10**6, disable_tqdm=True, report_to="none", overwrite_output_dir=True,
                              save_strategy="no" if mode == "none" else "steps", save_steps=10,
+                             save_async=mode == "async",
                              scaling={"num_workers": 2, "storage_path": os.path.join(tmp, "ray")},
                              distributed={"strategy": strategy})
     torch.manual_seed(0)
@@ -63,9 +65,10 @@ def _saves_run(tmp: str, strategy: str, mode: str, mb: int, steps: int) -> list[
 def bench_saves(tmp: str, mb: int, steps: int, rounds: int) -> dict:
     out = {}
     for strategy in ("ddp", "fsdp"):
-        got: dict[str, list[float]] = {"none": [], "save": []}
-        for i in range(rounds):
-            for mode in (["none", "save"] if i % 2 == 0 else ["save", "none"]):
+        got: dict[str, list[float]] = {"none": [], "sync": [], "async": []}
+        modes = list(got)
+        for i in range(rounds):  # the order of the three rotated each round
+            for mode in modes[i % 3:] + modes[:i % 3]:
                 got[mode] += _saves_run(tmp, strategy, mode, mb, steps)
         out[strategy] = {m: {"median": statistics.median(v), "mean": statistics.fmean(v)} for m, v in got.items()}
     return out
@@ -134,10 +137,11 @@ def main() -> None:
             ray.shutdown()
             shutil.rmtree(tmp, ignore_errors=True)
         for strategy, m in r.items():
-            print(f"saves {strategy}: a {a.mb} MiB model, a checkpoint every 10 steps vs none: median step "
-                  f"{m['save']['median'] * 1e3:.1f} vs {m['none']['median'] * 1e3:.1f} ms "
-                  f"({m['save']['median'] / m['none']['median']:.2f}x), mean {m['save']['mean'] * 1e3:.1f} vs "
-                  f"{m['none']['mean'] * 1e3:.1f} ms ({m['save']['mean'] / m['none']['mean']:.2f}x)")
+            for mode in ("sync", "async"):
+                print(f"saves {strategy} {mode}: a {a.mb} MiB model, a checkpoint every 10 steps vs none: median "
+                      f"step {m[mode]['median'] * 1e3:.1f} vs {m['none']['median'] * 1e3:.1f} ms "
+                      f"({m[mode]['median'] / m['none']['median']:.2f}x), mean {m[mode]['mean'] * 1e3:.1f} vs "
+                      f"{m['none']['mean'] * 1e3:.1f} ms ({m[mode]['mean'] / m['none']['mean']:.2f}x)")
     if "recovery" in parts:
         r = bench_recovery()
         print(f"recovery: rank 1's node lost after step 12, resumed at step {r['resumed_at_step']}: "

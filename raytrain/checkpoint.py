@@ -214,7 +214,8 @@ class CheckpointWriter:
     def __init__(self, output_dir: str, *, rank: int = 0, world_size: int = 1, strategy: str = "single",
                  barrier: Callable[[], None] = lambda: None, save_async: bool = False,
                  max_shard_bytes: int | None = None, async_policy: str = "wait",
-                 all_gather: Callable[[Any], list] | None = None):
+                 all_gather: Callable[[Any], list] | None = None,
+                 side_channel: tuple[Callable[[Any], list], Callable[[], None]] | None = None):
         if async_policy not in ASYNC_POLICIES:
             raise ValueError(f"save_async_policy: {async_policy!r} is not one of {', '.join(map(repr, ASYNC_POLICIES))}")
         self.output_dir = output_dir
@@ -223,7 +224,9 @@ class CheckpointWriter:
         self._leaders: list[int] | None = None
         self.max_shard_bytes = max_shard_bytes
         self.async_policy = async_policy
-        background = save_async and world_size == 1  # distributed saves stay synchronous (see save)
+        # A distributed save commits in the background through collectives of its own (side_channel).
+        self.side_channel = side_channel
+        background = save_async and (world_size == 1 or side_channel is not None)
         init = lower_thread_priority if background else None
         self._pool = ThreadPoolExecutor(1, "raytrain-ckpt", initializer=init) if background else None
         # A synchronous save writes weights, optimizer and small files at once (the step waits for the
@@ -257,13 +260,13 @@ class CheckpointWriter:
         if payload.extra_files is not None and self.rank == 0:
             payload.extra_files(tmp)  # checksummed into the manifest when the checkpoint is sealed
         if self._pool is None:
-            # Distributed saves stay synchronous: the rename needs a barrier on the main thread.
             self._write(step, tmp, final, payload, after)
         else:
             copy = self._staging.copy  # one pass, so tensors shared between the parts stay shared
             weights, pickles, jsons = copy((payload.weights, payload.pickles, payload.jsons))
             host = CheckpointPayload(weights, pickles, jsons)
-            self._pending = self._pool.submit(self._write, step, tmp, final, host, after, self._staging.ready)
+            self._pending = self._pool.submit(self._write, step, tmp, final, host, after, self._staging.ready,
+                                              self.side_channel)
         return final
 
     def wait(self) -> None:
@@ -283,24 +286,29 @@ class CheckpointWriter:
                 self._pool.shutdown()
             self._io.shutdown()
 
-    def _write(self, step: int, tmp: str, final: str, payload: CheckpointPayload, after=None, ready=None) -> None:
+    def _write(self, step: int, tmp: str, final: str, payload: CheckpointPayload, after=None, ready=None,
+               channel=None) -> None:
+        """Write this rank's files, then commit: rank 0 writes the manifest once every rank's files are
+        durable. `channel` (all_gather, barrier): the side channel of a background distributed save."""
         if ready is not None:
             ready()  # device-to-host copies have landed
         entries = self._write_files(tmp, payload)
         _maybe_pause(tmp, step)
-        leaders = self._disk_leaders()
-        written = self._gather(entries)  # every rank's files are written and fsynced
+        leaders = self._disk_leaders()  # found on the training thread, at the save's start
+        gather = (lambda obj: channel[0](obj)) if channel else self._gather
+        barrier = channel[1] if channel else self.barrier
+        written = gather(entries)  # every rank's files are written and fsynced
         lead = leaders[self.rank] == self.rank
         mine = {k: v for r, e in enumerate(written) if leaders[r] == self.rank for k, v in e.items()}
         files = describe_files(tmp, mine) if lead else None  # this disk's files, checksummed by their writers
         if lead and self.rank != 0:  # no manifest on another disk: rank 0's lists every rank's files
             rename_into_place(tmp, final)
-        described = self._gather(files)
+        described = gather(files)
         if self.rank == 0:
             self._seal(step, tmp, final, {k: v for f in described if f for k, v in f.items()})
         if lead and after is not None:
             after(final)
-        self.barrier()
+        barrier()
 
     def _gather(self, obj: Any) -> list:
         """Every rank's `obj` (a barrier); without all_gather, this rank's alone after a barrier."""
@@ -468,14 +476,15 @@ def get_last_checkpoint(output_dir: str, weights_on_load: bool = False, before_s
 
 
 def rotate_checkpoints(output_dir: str, save_total_limit: int | None, best_model_checkpoint: str | None,
-                       protect: str | None = None) -> list[str]:
+                       protect: str | tuple[str, ...] | None = None) -> list[str]:
     """Keep at most `save_total_limit` checkpoints in total, as HF: the oldest go first, never the
-    newest (`protect`, the one just written, which resume would use) nor the best; return what was
-    deleted."""
+    newest (`protect`: the one just written, which resume would use, or several) nor the best; return
+    what was deleted."""
     if not save_total_limit or save_total_limit <= 0:
         return []
     ckpts = [os.path.abspath(p) for _, p in sorted_checkpoints(output_dir)]
-    keep = {os.path.abspath(p) for p in (best_model_checkpoint, protect) if p}
+    protect = (protect,) if isinstance(protect, str) else tuple(protect or ())
+    keep = {os.path.abspath(p) for p in (best_model_checkpoint, *protect) if p}
     if ckpts:
         keep.add(ckpts[-1])
     remaining, limit = len(ckpts), max(save_total_limit, len(keep & set(ckpts)))

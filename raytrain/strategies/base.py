@@ -214,6 +214,20 @@ class TorchDistributedMixin:
         dist.all_gather_object(out, obj)
         return out
 
+    def side_channel(self) -> tuple[Callable[[Any], list], Callable[[], None]]:
+        """all_gather_object and barrier on a gloo group of their own (every rank creates it, in step):
+        for a background save's commit, which runs while the training thread runs its own collectives."""
+        import torch.distributed as dist
+
+        group = dist.new_group(backend="gloo")
+
+        def all_gather(obj: Any) -> list[Any]:
+            out: list[Any] = [None] * self.world_size
+            dist.all_gather_object(out, obj, group=group)
+            return out
+
+        return all_gather, lambda: dist.barrier(group=group)
+
     def broadcast_object(self, obj: Any) -> Any:
         import torch.distributed as dist
 

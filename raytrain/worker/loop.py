@@ -146,7 +146,9 @@ def _setup(trainer: TrainerProtocol) -> RunState:
         writer = ckpt.CheckpointWriter(args.output_dir, rank=strategy.rank, world_size=strategy.world_size,
                                        strategy=strategy.name, barrier=strategy.barrier,
                                        save_async=args.save_async, async_policy=args.save_async_policy,
-                                       all_gather=strategy.all_gather_object)
+                                       all_gather=strategy.all_gather_object,
+                                       side_channel=strategy.side_channel() if args.save_async and
+                                       strategy.world_size > 1 else None)
     return RunState(trainer, strategy, data, steps_per_epoch, n_batches, writer=writer,
                     tr_loss=torch.zeros((), device=strategy.device))
 
@@ -297,7 +299,12 @@ def _skip_save(run: RunState) -> bool:
     run's last save and a new best are always written (after waiting)."""
     state, control = run.trainer.state, run.trainer.control
     must = control.should_training_stop or state.best_global_step == state.global_step
-    return run.writer is not None and run.writer.should_skip(must_save=must)
+    if run.writer is None or run.writer.async_policy != "skip" or must:
+        return False
+    skip = run.writer.should_skip()
+    if run.writer.side_channel is not None:  # skipped by every rank or none: any rank still writing skips
+        skip = bool(run.strategy.all_reduce(torch.tensor(float(skip)), op="max").item())
+    return skip
 
 
 def _update_best(trainer: TrainerProtocol, metrics: dict) -> None:

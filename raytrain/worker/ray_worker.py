@@ -154,6 +154,7 @@ class RayReportCallback(TrainerCallback):
         self.strategy = strategy
         self.reported_step = -1
         self.reports_dir: bool | None = None
+        self.in_flight: int | None = None  # a background distributed save's step, not reported yet
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         import ray.train
@@ -161,8 +162,6 @@ class RayReportCallback(TrainerCallback):
         ray.train.report({**plain_logs(logs or {}), "step": state.global_step})
 
     def on_save(self, args, state, control, **kwargs):
-        import ray.train
-
         if state.global_step == self.reported_step:
             return  # the loop skipped this save: the step's checkpoint exists and was reported
         self.reported_step = state.global_step
@@ -170,11 +169,29 @@ class RayReportCallback(TrainerCallback):
             rank, world = self.strategy.rank, self.strategy.world_size
             leaders = [0] if world == 1 else disk_leaders(args.output_dir, rank, self.strategy.all_gather_object)
             self.reports_dir = leaders[rank] == rank
-        path = checkpoint_dir(args.output_dir, state.global_step)
-        checkpoint = ray.train.Checkpoint.from_directory(path) if self.reports_dir else None
+        if not (args.save_async and self.strategy.world_size > 1):
+            return self._report(args, state, state.global_step)
+        # A background distributed save is still being written: Ray gets the previous one, complete on
+        # every rank since this save waited for it, and this one at the next save or at the end.
+        previous, self.in_flight = self.in_flight, state.global_step
+        self._report(args, state, previous)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.in_flight is not None:  # the loop waited for the last background save before this event
+            self._report(args, state, self.in_flight)
+            self.in_flight = None
+
+    def _report(self, args, state, step: int | None) -> None:
+        import ray.train
+
+        checkpoint = None
+        if step is not None and self.reports_dir:
+            checkpoint = ray.train.Checkpoint.from_directory(checkpoint_dir(args.output_dir, step))
         last = state.log_history[-1] if state.log_history else {}
-        ray.train.report({**plain_logs(last), "step": state.global_step, "checkpoint_step": state.global_step},
-                         checkpoint=checkpoint)
+        metrics = {**plain_logs(last), "step": state.global_step}
+        if step is not None:
+            metrics["checkpoint_step"] = step
+        ray.train.report(metrics, checkpoint=checkpoint)
 
 
 def _quiet_ray_reports() -> None:

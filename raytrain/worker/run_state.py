@@ -208,9 +208,13 @@ def save(run: RunState, epoch_finished: bool) -> str | None:
             LOOP_STATE: loop_state(run, pending_loss),
         }
     best = state.best_model_checkpoint  # as of this save: a background rotation must not see a later one
+    # A background distributed save reports the previous checkpoint to Ray while this one is written
+    # (ray_worker.RayReportCallback): this save's rotation keeps it.
+    previous = ckpt.checkpoint_dir(args.output_dir, run.last_saved) \
+        if run.writer.side_channel is not None and run.last_saved >= 0 else None
 
     def rotate(final: str) -> None:
-        ckpt.rotate_checkpoints(args.output_dir, args.save_total_limit, best, protect=final)
+        ckpt.rotate_checkpoints(args.output_dir, args.save_total_limit, best, protect=(final, previous or final))
 
     run.writer.save(state.global_step, payload, after=rotate)
     run.last_saved = state.global_step

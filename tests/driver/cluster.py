@@ -266,7 +266,8 @@ def main(spec_path: str) -> None:
     args = digits_args(spec["output_dir"], spec.get("storage"), max_steps=20, logging_steps=1, save_steps=5,
                        scaling={"max_failures": spec.get("max_failures", 0),
                                 "resources_per_worker": {"CPU": 1, "spot": 1}},
-                       distributed=spec.get("distributed") or {"strategy": spec.get("strategy", "ddp")}, **best)
+                       distributed=spec.get("distributed") or {"strategy": spec.get("strategy", "ddp")},
+                       save_async=spec.get("save_async", False), **best)
     callbacks = [PauseOnce(**spec["pause"])] if spec.get("pause") else []
     if spec.get("marks"):  # benchmarks/distributed.py
         callbacks.append(StepMarks(spec["marks"]))

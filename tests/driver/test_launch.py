@@ -3,6 +3,7 @@ batch, the same TrainOutput on the driver, and restarts after SIGKILL or SIGTERM
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
@@ -10,7 +11,7 @@ import signal
 import pytest
 import torch
 
-from raytrain import Trainer, TrainOutput, load_weights
+from raytrain import Trainer, TrainOutput, load_weights, verify_checkpoint
 from raytrain.driver.torch_trainer import worker_error
 from tests.strategies._helpers import FaultInjector, PreemptionNotice, digits_args, digits_model, state_digest
 
@@ -83,11 +84,14 @@ def test_sigkill_sigterm_and_a_preemption_notice_restart_the_group_and_end_bit_e
       PreemptionNotice: the rest is Ray's own): the workers save checkpoint-28 and stop; Ray's controller
       restarts the group at the deadline, charged to max_preemption_failures: max_failures (2) is spent
       by the first two faults, so the run would fail were the notice charged there.
+    Checkpoints are written in the background (save_async: each rank's files, then the commit through a
+    side channel), and Ray gets each one once it is complete.
     The final weights equal the uninterrupted run's bit for bit, and so do the logged losses (to float
     rounding)."""
     _, reference, _ = ddp_run
     out_dir = tmp_path / "out"
-    args = digits_args(str(out_dir), str(tmp_path / "ray"), scaling={"max_failures": 2, "max_preemption_failures": 1})
+    args = digits_args(str(out_dir), str(tmp_path / "ray"), scaling={"max_failures": 2, "max_preemption_failures": 1},
+                       save_async=True)
     faults = [FaultInjector(1, 15, signal.SIGKILL, record_starts=False),
               FaultInjector(0, 23, signal.SIGTERM, record_starts=False), PreemptionNotice(28)]
     trainer = Trainer(digits_model(), args, train_dataset=digits[0], callbacks=faults)
@@ -97,6 +101,9 @@ def test_sigkill_sigterm_and_a_preemption_notice_restart_the_group_and_end_bit_e
     assert (first, after_kill, after_notice) == (0, 10, 28)
     assert 23 <= after_term <= 26 and after_term % 10  # the step all ranks agree on after the signal
     assert os.path.isdir(out_dir / f"checkpoint-{after_term}") and os.path.isdir(out_dir / "checkpoint-28")
+    stored = [verify_checkpoint(os.path.dirname(m))["global_step"]
+              for m in glob.glob(str(tmp_path / "ray" / "*" / "*" / "manifest.json"))]
+    assert {after_term, 28, 30} <= set(stored), stored  # reported to Ray once complete, the last ones too
     assert state_digest(trainer.model.state_dict()) == state_digest(reference.model.state_dict())
     # The unlogged loss of the interval cut by SIGTERM is summed over ranks at the save: float order only.
     assert _losses(trainer) == pytest.approx(_losses(reference), rel=1e-6)

@@ -158,13 +158,14 @@ def test_fsdp_losing_rank_0s_node_resumes_from_storage(cluster, reference):
 
 @pytest.mark.timeout(900)
 def test_losing_rank_1s_node_during_a_save_resumes_from_the_last_complete_checkpoint(cluster, reference):
-    """Rank 1's node is lost once checkpoint-15 is written on both nodes' disks but before Ray has it:
-    rank 0's disk still holds its checkpoint-15, which the new node's disk cannot complete, so the group
-    resumes from Ray's checkpoint-10 and ends bit for bit as the uninterrupted run."""
+    """Checkpoints written in the background (save_async): rank 1's node is lost while checkpoint-15 is
+    being written and before Ray has checkpoint-10 (Ray gets each checkpoint once every rank's files are
+    durable, at the next save); rank 0's disk holds checkpoints the new node's disk cannot complete, so
+    the group resumes from Ray's checkpoint-5 and ends bit for bit as the uninterrupted run."""
     flag = os.path.join(cluster.storage, "lose-rank1-saving")
     storage = os.path.join(cluster.storage, "saving")
     run = _run(cluster, "saving", os.path.join(cluster.local, "saving"), storage, during=_lose_node_at(flag, "e"),
-               max_failures=1, pause={"rank": 1, "step": 15, "flag": flag, "at": "save"})
+               max_failures=1, save_async=True, pause={"rank": 1, "step": 15, "flag": flag, "at": "save"})
     assert run["global_step"] == 20 and run["digest"] == reference["digest"]
     assert run["logs"] == reference["logs"]
     _every_rank_in_storage(storage)

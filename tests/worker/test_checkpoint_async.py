@@ -250,3 +250,69 @@ def test_host_staging_from_cuda_uses_pinned_buffers_and_waits_for_the_copies():
     assert host["w"].device.type == "cpu" and host["w"].is_pinned()
     assert torch.equal(host["w"], torch.arange(1 << 20, dtype=torch.float32))
     assert host["view"].untyped_storage().data_ptr() == host["w"].untyped_storage().data_ptr()
+
+
+class _ThreadGather:
+    """all_gather_object for ranks that are threads."""
+
+    def __init__(self, n: int):
+        self.barrier, self.slots = threading.Barrier(n, timeout=60), [None] * n
+
+    def __call__(self, rank: int, obj):
+        self.slots[rank] = obj
+        self.barrier.wait()
+        out = list(self.slots)
+        self.barrier.wait()
+        return out
+
+
+def test_two_ranks_save_in_the_background_and_commit_through_the_side_channel(tmp_path, monkeypatch):
+    """save_async on two ranks (threads) with a side channel: save returns once the state is staged; the
+    commit (gather, manifest, rename, barrier) runs on the background threads through the side channel
+    alone, never the training thread's collectives, and only once both ranks' files are written."""
+    main_barrier, side_gather, main_gather = threading.Barrier(2, timeout=60), _ThreadGather(2), _ThreadGather(2)
+    side_barrier = threading.Barrier(2, timeout=60)
+    on_training_threads, release = [], threading.Event()
+    real_save_pickle = ckpt.save_pickle
+
+    def slow_save_pickle(obj, path):  # rank 1's file waits until both ranks' save() has returned
+        if path.endswith("rng_state_1.pth"):
+            assert release.wait(60)
+        return real_save_pickle(obj, path)
+
+    monkeypatch.setattr(ckpt, "save_pickle", slow_save_pickle)
+    errors, returned = [], []
+
+    def rank(r):
+        def barrier():
+            on_training_threads.append(threading.current_thread().name)
+            main_barrier.wait()
+
+        try:
+            writer = ckpt.CheckpointWriter(str(tmp_path), rank=r, world_size=2, strategy="ddp", barrier=barrier,
+                                           save_async=True, all_gather=lambda obj: main_gather(r, obj),
+                                           side_channel=(lambda obj: side_gather(r, obj), side_barrier.wait))
+            payload = ckpt.CheckpointPayload(pickles={f"rng_state_{r}.pth": {"cpu": torch.tensor([r])}})
+            if r == 0:
+                payload.weights = {"w": torch.arange(6.0)}
+                payload.jsons = {"trainer_state.json": {"global_step": 5}}
+            writer._leaders = [0, 0]  # one shared disk (found by a collective on the training thread)
+            writer.save(5, payload)
+            returned.append((r, writer.in_flight(), os.path.exists(tmp_path / "checkpoint-5")))
+            main_barrier.wait()
+            release.set()
+            writer.close()
+        except Exception as e:  # surfaced below, with the rank
+            errors.append((r, e))
+            main_barrier.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,), name=f"rank{r}") for r in (0, 1)]
+    [t.start() for t in threads]
+    [t.join(120) for t in threads]
+    assert not errors, errors
+    assert sorted(returned) == [(0, True, False), (1, True, False)]  # in flight, not committed, on both ranks
+    assert set(on_training_threads) == {"rank0", "rank1"}  # the main barrier: training threads only
+    manifest = ckpt.verify_checkpoint(str(tmp_path / "checkpoint-5"))
+    assert set(manifest["files"]) == {"model.safetensors", "trainer_state.json", "rng_state_0.pth", "rng_state_1.pth"}
+    assert ckpt.load_pickle(str(tmp_path / "checkpoint-5" / "rng_state_1.pth"))["cpu"].tolist() == [1]
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp")]
