@@ -4,3 +4,4 @@ python benchmarks/ingest.py --rows 2000000 --part all
 python benchmarks/hpo.py --seeds 3 --trials 20 --target 0.98
 python benchmarks/ddp_vs_torchrun.py --steps 60
 python benchmarks/threads.py --steps 200 --big-steps 40
+python benchmarks/distributed.py --mb 32 --steps 40 --rounds 2 --parts saves,recovery
