@@ -314,16 +314,11 @@ def _run_trial(config: dict[str, Any], spec: dict[str, Any], trial_dir: str) -> 
         trainer.add_callback(_RestoreTrialParams(args))
     n = len(spec["directions"])
     remote = spec.get("remote", False)
-    if args.scaling.num_workers > 1:
-        reporter = _WorkerReporter(spec["compute_objective"], n, upload=remote)
-        storage = join_uri(spec["uri"], os.path.basename(trial_dir)) if remote else None
-        _run_distributed(trainer, resume, reporter, storage, spec["mode"])
-        return
     reporter = _Reporter(spec["compute_objective"], n, pointer=spec["scheduler"] == "pbt" and not remote,
                          upload=remote)
-    trainer.add_callback(reporter)
     if not cloned and trial_id in spec.get("recorded", {}) and first_start_since_restore(trial_dir, spec["restored"]):
-        # After a driver restore: what this trial evaluated after Tune's last saved state, once.
+        # After a driver restore: what this trial evaluated after Tune's last saved state, once, from the
+        # trial's own process (a distributed trial's workers have not started yet).
         max_steps, lost = unreported(resume, spec["recorded"][trial_id])
         if lost:
             logger.warning("re-reporting %d evaluation(s) after step %d that the sweep's saved state lost",
@@ -331,6 +326,12 @@ def _run_trial(config: dict[str, Any], spec: dict[str, Any], trial_dir: str) -> 
             reporter.max_steps = max_steps  # the run's, as on_train_begin sets it
         for metrics, step, saved in lost:
             reporter.report(metrics, step, saved)
+    if args.scaling.num_workers > 1:
+        storage = join_uri(spec["uri"], os.path.basename(trial_dir)) if remote else None
+        _run_distributed(trainer, resume, _WorkerReporter(spec["compute_objective"], n, upload=remote), storage,
+                         spec["mode"])
+        return
+    trainer.add_callback(reporter)
     trainer.train(resume_from_checkpoint=resume, trial=reporter)
 
 
