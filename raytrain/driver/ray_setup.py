@@ -11,6 +11,13 @@ import logging
 _LOCAL_CLUSTER_NOISE = ("ray.train.v2._internal.execution.scaling_policy.autoscaling_coordinator_client",)
 
 
+class _Drop(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR
+
+
 def local_cluster_worker() -> None:
+    # A filter, not a level: Ray Train's controller configures the "ray.train" logger with dictConfig,
+    # which resets the level of every logger below it (filters stay).
     for name in _LOCAL_CLUSTER_NOISE:
-        logging.getLogger(name).setLevel(logging.ERROR)
+        logging.getLogger(name).addFilter(_Drop())
