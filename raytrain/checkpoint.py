@@ -480,20 +480,19 @@ def rotate_checkpoints(output_dir: str, save_total_limit: int | None, best_model
     """Keep at most `save_total_limit` checkpoints in total, as HF: the oldest go first, never the
     newest (`protect`: the one just written, which resume would use, or several) nor the best; return
     what was deleted."""
-    if not save_total_limit or save_total_limit <= 0:
-        return []
-    ckpts = [os.path.abspath(p) for _, p in sorted_checkpoints(output_dir)]
     protect = (protect,) if isinstance(protect, str) else tuple(protect or ())
     keep = {os.path.abspath(p) for p in (best_model_checkpoint, *protect) if p}
-    if ckpts:
-        keep.add(ckpts[-1])
-    remaining, limit = len(ckpts), max(save_total_limit, len(keep & set(ckpts)))
-    deleted = []
-    for p in ckpts:
-        if remaining <= limit:
-            break
-        if p not in keep:
-            shutil.rmtree(p, ignore_errors=True)
-            deleted.append(p)
-            remaining -= 1
-    return deleted
+    doomed = checkpoints_to_drop([os.path.abspath(p) for _, p in sorted_checkpoints(output_dir)], save_total_limit, keep)
+    for p in doomed:
+        shutil.rmtree(p, ignore_errors=True)
+    return doomed
+
+
+def checkpoints_to_drop(oldest_first: list, save_total_limit: int | None, keep: set) -> list:
+    """The rotation rule alone (for a node's disk and for Ray's storage alike): the oldest beyond
+    `save_total_limit` go, never the newest nor any in `keep` (the best, the one being written)."""
+    if not save_total_limit or save_total_limit <= 0 or not oldest_first:
+        return []
+    keep = (set(keep) | {oldest_first[-1]}) & set(oldest_first)
+    excess = len(oldest_first) - max(save_total_limit, len(keep))
+    return [p for p in oldest_first if p not in keep][:max(excess, 0)]

@@ -19,6 +19,7 @@ import time
 from ..config import ConfigError
 from ..data.build import blocks_for_workers
 from ..state import TrainerState, TrainOutput
+from ..worker.ray_worker import keeps_best
 from .progress import driver_progress
 from .torch_trainer import build_torch_trainer, fit, scaling_config
 
@@ -177,7 +178,7 @@ def run_distributed(trainer, resume_from_checkpoint=None) -> TrainOutput:
             result = fit(build_torch_trainer(
                 view, worker_args, name=name, storage_path=_abs_storage(args.scaling.storage_path),
                 resume_from_checkpoint=resume_from_checkpoint,
-                checkpoint_config=CheckpointConfig(num_to_keep=args.save_total_limit),
+                checkpoint_config=CheckpointConfig(num_to_keep=None if keeps_best(args) else args.save_total_limit),
                 datasets=blocks, progress=feed))
     finally:
         for stream in blocks.values():  # Ray Data stops if it still runs; the blocks are let go

@@ -192,6 +192,17 @@ class RayReportCallback(TrainerCallback):
         if step is not None:
             metrics["checkpoint_step"] = step
         ray.train.report(metrics, checkpoint=checkpoint)
+        if checkpoint is not None and self.strategy.is_main and keeps_best(args):
+            storage = ray.train.get_context().get_storage()
+            best = state.best_model_checkpoint
+            keep = {int(best.rstrip("/").rsplit("-", 1)[-1])} if best else set()
+            prune_storage(storage.storage_filesystem, storage.experiment_fs_path, args.save_total_limit, keep | {step})
+
+
+def keeps_best(args) -> bool:
+    """Rotation that protects the best checkpoint (HF's, with metric_for_best_model): raytrain rotates
+    Ray's storage itself then, instead of Ray's num_to_keep."""
+    return bool(args.save_total_limit) and args.metric_for_best_model is not None
 
 
 def _quiet_ray_reports() -> None:
@@ -323,11 +334,17 @@ def _checkpoint_here(path: str):
 
 def _stored_checkpoint(fs, root: str, step: int) -> tuple[str, dict] | None:
     """The checkpoint directory of `step` in Ray's storage and its manifest (None: none there)."""
+    return _stored_checkpoints(fs, root).get(step)
+
+
+def _stored_checkpoints(fs, root: str) -> dict[int, tuple[str, dict]]:
+    """{step: (directory, manifest)} of every complete checkpoint in Ray's storage."""
     import json
 
     import pyarrow.fs
 
-    for info in fs.get_file_info(pyarrow.fs.FileSelector(root)):
+    found = {}
+    for info in fs.get_file_info(pyarrow.fs.FileSelector(root, allow_not_found=True)):
         if info.type != pyarrow.fs.FileType.Directory:
             continue
         try:
@@ -335,9 +352,19 @@ def _stored_checkpoint(fs, root: str, step: int) -> tuple[str, dict] | None:
                 manifest = json.loads(f.read())
         except (OSError, ValueError):
             continue
-        if manifest.get("global_step") == step:
-            return info.path, manifest
-    return None
+        if isinstance(manifest.get("global_step"), int):
+            found[manifest["global_step"]] = info.path, manifest
+    return found
+
+
+def prune_storage(fs, root: str, save_total_limit: int | None, keep_steps: set[int]) -> list[str]:
+    """Rotate Ray's copies by the rule of the node's disk (checkpoint.checkpoints_to_drop): the newest
+    and `keep_steps` (the best) stay. Ray's own num_to_keep would keep the newest only."""
+    stored = _stored_checkpoints(fs, root)
+    steps = ckpt.checkpoints_to_drop(sorted(stored), save_total_limit, keep_steps)
+    for step in steps:
+        fs.delete_dir(stored[step][0])
+    return [stored[step][0] for step in steps]
 
 
 def pickle_trainer(trainer: TrainerProtocol, args) -> bytes:
