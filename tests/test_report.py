@@ -138,3 +138,13 @@ def test_a_sweeps_optuna_plots_name_the_objective_after_its_metric(tmp_path):
     assert '"ticktext":["eval_accuracy","learning_rate"]' in (tmp_path / "parallel_coordinate.html").read_text()
     for page in ("optimization_history", "parallel_coordinate", "param_importances"):
         assert "objective" not in (tmp_path / f"{page}.html").read_text().lower(), page
+
+
+def test_help_sends_sweeps_to_where_they_live(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "a sweep's directory (OUTPUT_DIR/sweeps/NAME)" in text and "For a sweep (OUTPUT_DIR/sweeps/NAME," in text
+    assert "OUTPUT_DIR/tune" not in text
