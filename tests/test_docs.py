@@ -3,9 +3,11 @@ snippet it shows (docs/snippets/, included by the pages; the README's copies) ru
 
 Snippets in RUN are run: shell commands of `python -m raytrain.run` / `raytrain.report` in this
 process through their main() (quickstart.sh in a real shell, as a newcomer types it), with the
---set overrides below that keep them small; Python files with runpy. Snippets in CHECKED need
-what a test machine has not got (a Ray cluster, minutes, a server): their configs are validated,
-every name they use is looked up, and the scripts and executables they call exist.
+--set overrides below that keep them small; Python files with runpy; tracking.sh's `mlflow ui` is a
+server: the store it names is read instead. Snippets in CHECKED need what this suite cannot spend
+(pip installs, a new Ray cluster, minutes, a cloud): their configs are validated, every name they
+use is looked up, and the scripts and executables they call exist; the Ray tests named below run
+the same commands, smaller.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ RUN = {
     "resume.sh": ["--no-report"],                  # 45 + 45 + 45 digits steps
     "chargpt.sh": ["--set", "max_steps=2", "--no-report"],
     "sweep_report.sh": [],                         # on a sweep directory laid out as Ray Tune writes it
+    "tracking.sh": ["--set", "max_steps=20", "--no-report"],  # `mlflow ui`, a server: the store it opens is read
     "quickstart.py": [], "concepts.py": [], "checkpoints.py": [], "data_files.py": [],
     "hf_switch.py": [], "hf_dataclass.py": [],
 }
@@ -41,12 +44,11 @@ RUN = {
 CHECKED = {
     "install.sh": "pip installs: compared with .ci/run, which CI runs",
     "install_cpu.sh": "a pip install from download.pytorch.org: no network in tests",
-    "sweep.sh": "a Ray Tune sweep of 8 trials (about a minute)",
-    "sweep.py": "a Ray Tune sweep",
-    "distributed.sh": "two Ray Train workers",
+    "sweep.sh": "a Ray Tune sweep of 8 trials (about a minute); the CLI's sweep: test_cli_search_resumes_by_name",
+    "sweep.py": "a Ray Tune sweep (ASHA: no backend='optuna' run); the API: tests/sweep/test_search.py",
+    "distributed.sh": "two Ray Train workers; the 2-worker CLI run: tests/driver/test_quiet.py",
     "data_ray.py": "Ray Data on an S3 bucket and two Ray Train workers",
-    "cluster.sh": "a Ray cluster on a cloud",
-    "tracking.sh": "MLflow's SQLite store takes ~30 s to create; `mlflow ui` is a server",
+    "cluster.sh": "a Ray cluster on a cloud; the job submitted to a token head: test_ray_job_submit_end_to_end",
     "benchmarks.sh": "minutes each",
 }
 
@@ -207,6 +209,27 @@ def test_sweep_report_runs(workdir, capsys):
     assert (workdir / "runs/digits/sweeps/digits/plots/objective.png").stat().st_size > 0
 
 
+def test_tracking_runs_into_the_store_mlflow_ui_opens(workdir, capsys, monkeypatch):
+    """The MLflow run goes to mlflow.db in the working directory; `mlflow ui` (a server, not started)
+    is pointed at that store, which holds the run, and the run prints that very command."""
+    mlflow = pytest.importorskip("mlflow")
+    from raytrain.tracking import ui_command
+
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME"):
+        monkeypatch.delenv(name, raising=False)
+    train, ui = _commands(_read("docs", "snippets", "tracking.sh"))
+    out = _run_in_process(train, RUN["tracking.sh"], capsys)
+    assert shutil.which(ui[0]) and " ".join(ui) == ui_command("sqlite:///$PWD/mlflow.db")
+    uri = ui[-1].replace("$PWD", os.getcwd())
+    (run_id,) = re.findall(rf"mlflow: run (\w+); see it with: {re.escape(ui_command(uri))}\n", out)
+    client = mlflow.tracking.MlflowClient(uri)
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED" and run.data.params["max_steps"] == "20"
+    assert [m.step for m in client.get_metric_history(run_id, "train_loss")] == [20]
+    # the epoch's evaluation (training stops within it) and the CLI's final one
+    assert [m.step for m in client.get_metric_history(run_id, "eval_accuracy")] == [20, 20]
+
+
 @pytest.mark.parametrize("name", sorted(n for n in RUN if n.endswith(".py")))
 def test_python_snippet_runs(name, workdir, capsys):
     runpy.run_path(os.path.join(SNIPPETS, name), run_name="__main__")
@@ -268,11 +291,6 @@ def test_shell_snippet_checks(name):
                 inner = words[words.index("--") + 1:]
                 assert inner[:3] == ["python", "-m", "raytrain.run"]
                 _check_raytrain_run(inner[3:])
-        elif words[0] == "mlflow":
-            from raytrain.tracking import ui_command
-
-            assert shutil.which("mlflow")
-            assert " ".join(words) == ui_command("sqlite:///$PWD/mlflow.db")
         elif words[0] == "pip":
             assert words[:3] == ["pip", "install", "torch==2.13.0"]
             assert "torch==2.13.0" in _read(".ci", "run")

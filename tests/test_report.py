@@ -114,3 +114,37 @@ def test_a_sweeps_objective_axis_is_named_after_its_metric(tmp_path):
     curves, name = plots.sweep_curves(str(tmp_path))
     assert curves == {"a1": ([10, 20], [0.8, 0.9])} and name == "eval_accuracy"
     assert plots.sweep_plot(str(tmp_path)) == str(tmp_path / "plots" / "objective.png")
+
+
+def test_a_sweeps_optuna_plots_name_the_objective_after_its_metric(tmp_path):
+    """The HTML plots a finished sweep writes beside objective.png call the objective what it is."""
+    optuna = pytest.importorskip("optuna")
+    from raytrain.sweep.report import write_plots
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(direction="maximize")
+    space = {"learning_rate": optuna.distributions.FloatDistribution(1e-4, 1e-1, log=True)}
+    for i, (lr, acc) in enumerate([(1e-3, 0.8), (1e-2, 0.9), (3e-3, 0.85)]):
+        study.add_trial(optuna.trial.create_trial(params={"learning_rate": lr}, distributions=space, value=acc))
+        os.makedirs(tmp_path / f"trial_{i}")
+        (tmp_path / f"trial_{i}" / "result.json").write_text(
+            json.dumps({"objective": acc, "eval_accuracy": acc, "eval_loss": 1 - acc, "step": 10}) + "\n")
+    written = write_plots(str(tmp_path), None, ["objective"], study)
+    assert sorted(os.path.relpath(p, tmp_path) for p in written) == [
+        "optimization_history.html", "parallel_coordinate.html", "param_importances.html",
+        os.path.join("plots", "objective.png")]
+    history = (tmp_path / "optimization_history.html").read_text()
+    assert '"yaxis":{"title":{"text":"eval_accuracy"}' in history
+    assert '"ticktext":["eval_accuracy","learning_rate"]' in (tmp_path / "parallel_coordinate.html").read_text()
+    for page in ("optimization_history", "parallel_coordinate", "param_importances"):
+        assert "objective" not in (tmp_path / f"{page}.html").read_text().lower(), page
+
+
+def test_help_sends_sweeps_to_where_they_live(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "a sweep's directory (OUTPUT_DIR/sweeps/NAME)" in text and "For a sweep (OUTPUT_DIR/sweeps/NAME," in text
+    assert "OUTPUT_DIR/tune" not in text

@@ -121,11 +121,12 @@ def print_table(df) -> None:
 def write_plots(sweep_dir: str, grid, objective_keys: list[str], study=None) -> list[str]:
     """Optuna's HTML plots (when a study exists) and plots/objective.png (the same plot
     `python -m raytrain.report SWEEP_DIR` draws); returns the files."""
-    from ..plots import sweep_plot
+    from ..plots import sweep_curves, sweep_plot
 
     written = []
     if study is not None:
-        written += _optuna_plots(sweep_dir, study, objective_keys)
+        # The axis named as the PNG's: the metric the objective is (eval_accuracy), else "objective".
+        written += _optuna_plots(sweep_dir, study, objective_keys, sweep_curves(sweep_dir)[1])
     try:
         path = sweep_plot(sweep_dir)
         written += [path] if path else []
@@ -134,7 +135,7 @@ def write_plots(sweep_dir: str, grid, objective_keys: list[str], study=None) -> 
     return written
 
 
-def _optuna_plots(sweep_dir: str, study, objective_keys: list[str]) -> list[str]:
+def _optuna_plots(sweep_dir: str, study, objective_keys: list[str], name: str = "objective") -> list[str]:
     from optuna import visualization as vis
     from optuna.trial import TrialState
 
@@ -143,7 +144,7 @@ def _optuna_plots(sweep_dir: str, study, objective_keys: list[str]) -> list[str]
         return []
     multi = len(study.directions) > 1
     target = {"target": (lambda t: t.values[0]), "target_name": objective_keys[0]} if multi else \
-        {"target_name": "objective"}
+        {"target_name": name}
     plots = {"optimization_history": lambda: vis.plot_optimization_history(study, **target),
              "param_importances": lambda: vis.plot_param_importances(study, **target),
              "parallel_coordinate": lambda: vis.plot_parallel_coordinate(study, **target)}

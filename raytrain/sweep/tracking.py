@@ -91,6 +91,10 @@ class SweepTracker:
             for entry in sorted(os.listdir(sweep_dir)):
                 if entry == "trials.csv" or entry.endswith((".png", ".html")):
                     client.log_artifact(parent, os.path.join(sweep_dir, entry))
+            plots = os.path.join(sweep_dir, "plots")  # objective.png, as report.write_plots draws it
+            for entry in sorted(os.listdir(plots)) if os.path.isdir(plots) else []:
+                if entry.endswith(".png"):
+                    client.log_artifact(parent, os.path.join(plots, entry), "plots")
         if best is not None:
             client.set_tag(parent, "best_trial_id", best.run_id)
             client.set_tag(parent, "best_checkpoint", best.checkpoint or "")

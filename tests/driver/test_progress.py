@@ -54,6 +54,40 @@ def test_a_run_that_stops_early_prints_no_eta_on_its_last_lines(tmp_path):
     assert "eta=" in lines[0] and not any("eta=" in ln for ln in lines[1:])
 
 
+def test_the_eta_after_a_resume_is_this_attempts_rate(tmp_path, monkeypatch):
+    """Resumed at step 40 of 50, a step taking 60 s on a fake clock: at step 45 five steps are left,
+    5:00, not total steps / total time (45 steps in 300 s: 0:33)."""
+    import types
+
+    from raytrain import TrainerCallback
+    from raytrain.callbacks import progress
+
+    clock = [0.0]
+    monkeypatch.setattr(progress, "time", types.SimpleNamespace(perf_counter=lambda: clock[0],
+                                                                monotonic=lambda: clock[0]))
+
+    class Tick(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            clock[0] += 60.0
+
+    def attempt(max_steps, **kw):
+        args = args_for(tmp_path, max_steps=max_steps, logging_steps=5, per_device_train_batch_size=4,
+                        save_strategy="steps", save_steps=40)
+        stream = io.StringIO()
+        trainer = Trainer(TinyClassifier(), args, train_dataset=columns(32), callbacks=[Tick()])
+        trainer.add_callback(ProgressCallback(stream))
+        trainer.train(**kw)
+        return stream.getvalue().splitlines()
+
+    first = attempt(40)
+    assert first[1].startswith("step 5/40 ") and first[1].endswith(" eta=35:00")  # 35 steps left at 60 s
+    clock[0] = 1e6  # a later process: the clock's origin means nothing
+    lines = attempt(50, resume_from_checkpoint=True)
+    assert lines[0].endswith("| resuming at step 40")
+    assert [ln.split(" ")[1] for ln in lines[1:]] == ["45/50", "50/50", "50/50"]
+    assert lines[1].endswith(" eta=5:00") and "eta=" not in lines[2] + lines[3]
+
+
 def test_terminal_shows_a_bar_with_loss_and_learning_rate_and_an_eval_bar(tmp_path):
     out = _train(tmp_path, _Terminal())
     assert "8/8" in out and "loss=" in out and "lr=" in out  # the bar's postfix
