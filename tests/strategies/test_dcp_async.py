@@ -72,7 +72,8 @@ def _rank(rank: int, root: str, port: int) -> None:
     rng = np.random.default_rng(0)  # digits-shaped rows (sklearn's loader would cost each process seconds)
     train = {"pixels": rng.random((640, 64), dtype=np.float32), "labels": rng.integers(0, 10, 640)}
     digests = {}
-    for name, resume in (("uninterrupted", None), ("resumed", os.path.join(root, "uninterrupted", f"checkpoint-{SAVE_AT}"))):
+    first = os.path.join(root, "uninterrupted", f"checkpoint-{SAVE_AT}")
+    for name, resume in (("uninterrupted", None), ("resumed", first)):
         gate.clear()
         if resume is not None:
             gate.set()
