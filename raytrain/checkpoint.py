@@ -186,7 +186,7 @@ class CheckpointPayload:
     weights: dict[str, torch.Tensor] | None = None
     pickles: dict[str, Any] = field(default_factory=dict)
     jsons: dict[str, Any] = field(default_factory=dict)
-    sharded_writer: Callable[[str], None] | None = None  # runs synchronously, on every rank
+    sharded_writer: Callable[[str, Any], Future | None] | None = None  # every rank: Strategy.save_sharded
     extra_files: Callable[[str], None] | None = None     # rank 0's small files (HF config, tokenizer), synchronously
 
 
@@ -204,9 +204,9 @@ class CheckpointWriter:
 
     An asynchronous save copies the state into reused host buffers at the step boundary (the only
     part the step waits for) and writes from them, file after file, on a background thread at lower
-    CPU priority; a synchronous save writes its files concurrently. A
-    save that arrives while one is still being written waits for it (async_policy "wait"), or, when
-    the caller asks `should_skip()` first (async_policy "skip"), is dropped. In distributed runs every
+    CPU priority; a synchronous save writes its files concurrently. A save that arrives while one is
+    still being written waits for it (async_policy "wait"), or, when the caller asks `should_skip()`
+    first (async_policy "skip"), is dropped. In distributed runs every
     rank writes its own files into the temporary directory on its own disk (shared or node-local, detected);
     rank 0 gathers every rank's manifest entries (`all_gather`) and writes the one manifest once all are written.
     """
@@ -214,17 +214,15 @@ class CheckpointWriter:
     def __init__(self, output_dir: str, *, rank: int = 0, world_size: int = 1, strategy: str = "single",
                  barrier: Callable[[], None] = lambda: None, save_async: bool = False,
                  max_shard_bytes: int | None = None, async_policy: str = "wait",
-                 all_gather: Callable[[Any], list] | None = None,
-                 side_channel: tuple[Callable[[Any], list], Callable[[], None]] | None = None):
+                 all_gather: Callable[[Any], list] | None = None, side_channel: Any = None):
         if async_policy not in ASYNC_POLICIES:
             raise ValueError(f"save_async_policy: {async_policy!r} is not one of {', '.join(map(repr, ASYNC_POLICIES))}")
         self.output_dir = output_dir
         self.rank, self.world_size, self.strategy = rank, world_size, strategy
         self.barrier, self.all_gather = barrier, all_gather
         self._leaders: list[int] | None = None
-        self.max_shard_bytes = max_shard_bytes
-        self.async_policy = async_policy
-        # A distributed save commits in the background through collectives of its own (side_channel).
+        self.max_shard_bytes, self.async_policy = max_shard_bytes, async_policy
+        # A background distributed save commits through collectives of its own (strategies.base.SideChannel).
         self.side_channel = side_channel
         background = save_async and (world_size == 1 or side_channel is not None)
         init = lower_thread_priority if background else None
@@ -255,28 +253,27 @@ class CheckpointWriter:
             _remove_stale_temporaries(self.output_dir)  # leftovers of crashed saves
             os.makedirs(tmp)
         self.barrier()
-        if payload.sharded_writer is not None:
-            payload.sharded_writer(tmp)
+        group = getattr(self.side_channel, "group", None) if self._pool is not None else None  # DCP's in the background
+        sharded = payload.sharded_writer(tmp, group) if payload.sharded_writer is not None else None
         if payload.extra_files is not None and self.rank == 0:
             payload.extra_files(tmp)  # checksummed into the manifest when the checkpoint is sealed
         if self._pool is None:
-            self._write(step, tmp, final, payload, after)
+            self._write(step, tmp, final, payload, after, sharded=sharded)
         else:
             copy = self._staging.copy  # one pass, so tensors shared between the parts stay shared
             weights, pickles, jsons = copy((payload.weights, payload.pickles, payload.jsons))
             host = CheckpointPayload(weights, pickles, jsons)
             self._pending = self._pool.submit(self._write, step, tmp, final, host, after, self._staging.ready,
-                                              self.side_channel)
+                                              self.side_channel, sharded)
         return final
 
     def wait(self) -> None:
-        """Block until a background save finishes; re-raise its error (never swallowed)."""
+        """Block until a background save finishes; re-raise its error (never swallowed), DCP's
+        CheckpointException (a BaseException) included; an interrupt while waiting stays itself."""
         pending, self._pending = self._pending, None
-        if pending is not None:
-            try:
-                pending.result()
-            except Exception as e:
-                raise CheckpointError(f"background checkpoint write failed: {type(e).__name__}: {e}") from e
+        e = pending.exception() if pending is not None else None
+        if e is not None:
+            raise CheckpointError(f"background checkpoint write failed: {type(e).__name__}: {e}") from e
 
     def close(self) -> None:
         try:
@@ -287,16 +284,18 @@ class CheckpointWriter:
             self._io.shutdown()
 
     def _write(self, step: int, tmp: str, final: str, payload: CheckpointPayload, after=None, ready=None,
-               channel=None) -> None:
-        """Write this rank's files, then commit: rank 0 writes the manifest once every rank's files are
-        durable. `channel` (all_gather, barrier): the side channel of a background distributed save."""
+               channel=None, sharded: Future | None = None) -> None:
+        """Write this rank's files, then commit: rank 0 writes the manifest once every rank's files are durable;
+        `sharded`, DCP's background write on `channel`'s group, is awaited before the commit's collectives."""
+        if sharded is not None:
+            sharded.result()  # its files fsynced, its collectives done; an error fails this save
         if ready is not None:
             ready()  # device-to-host copies have landed
         entries = self._write_files(tmp, payload)
         _maybe_pause(tmp, step)
         leaders = self._disk_leaders()  # found on the training thread, at the save's start
-        gather = (lambda obj: channel[0](obj)) if channel else self._gather
-        barrier = channel[1] if channel else self.barrier
+        gather = channel.all_gather if channel else self._gather
+        barrier = channel.barrier if channel else self.barrier
         written = gather(entries)  # every rank's files are written and fsynced
         lead = leaders[self.rank] == self.rank
         mine = {k: v for r, e in enumerate(written) if leaders[r] == self.rank for k, v in e.items()}

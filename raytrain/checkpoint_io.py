@@ -389,6 +389,8 @@ def describe_files(directory: str, entries: dict[str, dict]) -> dict[str, dict]:
     (written by a backend) or of another size are fsynced and checksummed here."""
     files = {}
     for root, _, names in os.walk(directory):
+        if root != directory:  # a backend's folder (dcp/): its entries durable too (rename_into_place syncs the top)
+            fsync_dir(root)
         for name in names:
             path = os.path.join(root, name)
             rel = os.path.relpath(path, directory)

@@ -9,6 +9,8 @@ import contextlib
 import math
 import logging
 import os
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -163,9 +165,11 @@ class Strategy:
         else:
             _set_optimizer_state(self.unwrap(self.model), self.optimizer, value)
 
-    def save_sharded(self, directory: str) -> None:
+    def save_sharded(self, directory: str, process_group: Any = None) -> Future | None:
         """Write backend-sharded state (DCP, DeepSpeed engine) into the checkpoint directory, on every
-        rank; `read_optimizer_state` finds it there. Nothing for replicated backends."""
+        rank; `read_optimizer_state` finds it there. Nothing for replicated backends. With `process_group`
+        (a background save's side channel) a backend may stage its state now and return the future of
+        a write in the background, on that group; None once written."""
 
     @property
     def has_sharded_state(self) -> bool:
@@ -173,6 +177,16 @@ class Strategy:
 
     def teardown(self) -> None:
         pass
+
+
+@dataclass(frozen=True)
+class SideChannel:
+    """Collectives of a background save, apart from training's: every rank's object, a barrier, and the
+    process group under them (None where ranks are not processes, in tests)."""
+
+    all_gather: Callable[[Any], list]
+    barrier: Callable[[], None]
+    group: Any = None
 
 
 class TorchDistributedMixin:
@@ -214,9 +228,10 @@ class TorchDistributedMixin:
         dist.all_gather_object(out, obj)
         return out
 
-    def side_channel(self) -> tuple[Callable[[Any], list], Callable[[], None]]:
+    def side_channel(self) -> SideChannel:
         """all_gather_object and barrier on a gloo group of their own (every rank creates it, in step):
-        for a background save's commit, which runs while the training thread runs its own collectives."""
+        for a background save (DCP's write, then the commit), which runs while the training thread runs
+        its own collectives."""
         import torch.distributed as dist
 
         group = dist.new_group(backend="gloo")
@@ -226,7 +241,7 @@ class TorchDistributedMixin:
             dist.all_gather_object(out, obj, group=group)
             return out
 
-        return all_gather, lambda: dist.barrier(group=group)
+        return SideChannel(all_gather, lambda: dist.barrier(group=group), group)
 
     def broadcast_object(self, obj: Any) -> Any:
         import torch.distributed as dist

@@ -154,7 +154,9 @@ class DeepSpeedStrategy(TorchDistributedMixin, Strategy):
     def has_sharded_state(self) -> bool:
         return True
 
-    def save_sharded(self, directory: str) -> None:
+    def save_sharded(self, directory: str, process_group=None) -> None:
+        """Synchronously, whatever `process_group`: none of DeepSpeed 0.19's asynchronous checkpoint engines
+        fits here (docs/checkpoints.md says why)."""
         self.engine.save_checkpoint(directory, tag=DEEPSPEED_DIR, save_latest=False)
 
 

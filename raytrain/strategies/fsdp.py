@@ -54,6 +54,7 @@ class FSDPStrategy(TorchDistributedMixin, Strategy):
             raise ValueError("fp16 with distributed.strategy=fsdp: use bf16 (or distributed.fsdp.mixed_precision)")
         self._mixed_precision()  # validates the dtypes now, before any worker is set up
         self._init_distributed(args)
+        self._dcp_stager = None
 
     # -- set-up
     def setup(self, model, optimizer_factory, optimizer=None):
@@ -167,11 +168,30 @@ class FSDPStrategy(TorchDistributedMixin, Strategy):
     def has_sharded_state(self) -> bool:
         return True
 
-    def save_sharded(self, directory: str) -> None:
+    def save_sharded(self, directory: str, process_group=None):
+        """The optimizer state into dcp/ (torch.distributed.checkpoint). With `process_group` (a background
+        save's side channel): copied to host memory now (training may change it right after), written by
+        DCP's thread with its collectives on that group; the future is done once the files are fsynced."""
         import torch.distributed.checkpoint as dcp
 
         state = {"optimizer": get_optimizer_state_dict(self.unwrap(self.model), self.optimizer)}
-        dcp.save(state, checkpoint_id=os.path.join(directory, DCP_DIR))
+        path = os.path.join(directory, DCP_DIR)
+        if process_group is None:
+            dcp.save(state, checkpoint_id=path)
+            return None
+        writer = dcp.FileSystemWriter(path, sync_files=True)  # fsynced before the future is done (the default)
+        return dcp.async_save(state, storage_writer=writer, process_group=process_group, async_stager=self._stager())
+
+    def _stager(self):
+        """DCP's host copy, synchronous, its buffers kept for the next save (the writer saves one at a
+        time, so the previous write is done with them); pinned from a GPU."""
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        if self._dcp_stager is None:
+            self._dcp_stager = DefaultStager(StagingOptions(use_pinned_memory=self.device.type == "cuda",
+                                                            use_shared_memory=False, use_async_staging=False,
+                                                            use_non_blocking_copy=False))
+        return self._dcp_stager
 
 
 def _post_order(module: torch.nn.Module):

@@ -9,12 +9,15 @@ import json
 import os
 import shutil
 import threading
+import time
+from concurrent.futures import Future
 
 import pytest
 import torch
 
 from raytrain import CheckpointError, TrainerCallback, get_last_checkpoint
 from raytrain import checkpoint as ckpt
+from raytrain.strategies.base import SideChannel
 from test_checkpoint import assert_same, make_trainer, weights
 from tiny import StopAt
 
@@ -205,7 +208,8 @@ def test_two_ranks_write_one_checkpoint_that_rank_0_seals(tmp_path):
     errors = []
 
     def shard(rank):
-        def write(directory):
+        def write(directory, group):
+            assert group is None  # no side channel: written synchronously
             os.makedirs(os.path.join(directory, "dcp"), exist_ok=True)
             with open(os.path.join(directory, "dcp", f"__{rank}_0.distcp"), "wb") as f:
                 f.write(bytes([rank]) * 1000)
@@ -269,7 +273,8 @@ class _ThreadGather:
 def test_two_ranks_save_in_the_background_and_commit_through_the_side_channel(tmp_path, monkeypatch):
     """save_async on two ranks (threads) with a side channel: save returns once the state is staged; the
     commit (gather, manifest, rename, barrier) runs on the background threads through the side channel
-    alone, never the training thread's collectives, and only once both ranks' files are written."""
+    alone, never the training thread's collectives, and only once both ranks' files are written, the
+    backend's background write (DCP's, on the side channel's group) included."""
     main_barrier, side_gather, main_gather = threading.Barrier(2, timeout=60), _ThreadGather(2), _ThreadGather(2)
     side_barrier = threading.Barrier(2, timeout=60)
     on_training_threads, release = [], threading.Event()
@@ -281,9 +286,33 @@ def test_two_ranks_save_in_the_background_and_commit_through_the_side_channel(tm
         return real_save_pickle(obj, path)
 
     monkeypatch.setattr(ckpt, "save_pickle", slow_save_pickle)
-    errors, returned = [], []
+    errors, returned, sharded_done_at_commit = [], [], []
+
+    def background_shard(r, futures):
+        def write(directory, group):  # DCP's async_save: a future, its files written once released
+            assert group == "side-group"
+            future = Future()
+
+            def finish():
+                assert release.wait(60)
+                time.sleep(0.2)  # later than this rank's own files
+                os.makedirs(os.path.join(directory, "dcp"), exist_ok=True)
+                with open(os.path.join(directory, "dcp", f"__{r}_0.distcp"), "wb") as f:
+                    f.write(bytes([r]) * 1000)
+                future.set_result(None)
+
+            threading.Thread(target=finish).start()
+            futures.append(future)
+            return future
+        return write
 
     def rank(r):
+        futures = []
+
+        def side_all_gather(obj):
+            sharded_done_at_commit.append(all(f.done() for f in futures))
+            return side_gather(r, obj)
+
         def barrier():
             on_training_threads.append(threading.current_thread().name)
             main_barrier.wait()
@@ -291,8 +320,9 @@ def test_two_ranks_save_in_the_background_and_commit_through_the_side_channel(tm
         try:
             writer = ckpt.CheckpointWriter(str(tmp_path), rank=r, world_size=2, strategy="ddp", barrier=barrier,
                                            save_async=True, all_gather=lambda obj: main_gather(r, obj),
-                                           side_channel=(lambda obj: side_gather(r, obj), side_barrier.wait))
-            payload = ckpt.CheckpointPayload(pickles={f"rng_state_{r}.pth": {"cpu": torch.tensor([r])}})
+                                           side_channel=SideChannel(side_all_gather, side_barrier.wait, "side-group"))
+            payload = ckpt.CheckpointPayload(pickles={f"rng_state_{r}.pth": {"cpu": torch.tensor([r])}},
+                                             sharded_writer=background_shard(r, futures))
             if r == 0:
                 payload.weights = {"w": torch.arange(6.0)}
                 payload.jsons = {"trainer_state.json": {"global_step": 5}}
@@ -312,7 +342,9 @@ def test_two_ranks_save_in_the_background_and_commit_through_the_side_channel(tm
     assert not errors, errors
     assert sorted(returned) == [(0, True, False), (1, True, False)]  # in flight, not committed, on both ranks
     assert set(on_training_threads) == {"rank0", "rank1"}  # the main barrier: training threads only
+    assert sharded_done_at_commit == [True] * 4  # two gathers per rank, each after the backend's write
     manifest = ckpt.verify_checkpoint(str(tmp_path / "checkpoint-5"))
-    assert set(manifest["files"]) == {"model.safetensors", "trainer_state.json", "rng_state_0.pth", "rng_state_1.pth"}
+    assert set(manifest["files"]) == {"model.safetensors", "trainer_state.json", "rng_state_0.pth", "rng_state_1.pth",
+                                      "dcp/__0_0.distcp", "dcp/__1_0.distcp"}
     assert ckpt.load_pickle(str(tmp_path / "checkpoint-5" / "rng_state_1.pth"))["cpu"].tolist() == [1]
     assert not [n for n in os.listdir(tmp_path) if n.startswith(".tmp")]

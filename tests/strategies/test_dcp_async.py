@@ -1,0 +1,121 @@
+"""FSDP2 with save_async on 2 ranks (processes, gloo, no Ray): the sharded optimizer state (DCP) is staged
+to host memory at the step boundary and written in the background through the side channel's group, the
+checkpoint commits only once DCP's files are written, verifies, and resumes bit for bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+import raytrain.checkpoint as ckpt
+from raytrain import TrainerCallback
+
+STEPS, SAVE_AT = 8, 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _GateDCP(TrainerCallback):
+    """DCP's file writes wait until the step after the save has changed the optimizer state; at the save
+    (save() has returned) this rank records what is on disk."""
+
+    def __init__(self, gate: threading.Event, seen: dict):
+        self.gate, self.seen = gate, seen
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == SAVE_AT:
+            tmp = os.path.join(args.output_dir, f".tmp-checkpoint-{SAVE_AT}")
+            dcp = os.path.join(tmp, "dcp")
+            self.seen["dcp_files_at_return"] = sorted(os.listdir(dcp)) if os.path.isdir(dcp) else []
+            self.seen["committed_at_return"] = os.path.exists(os.path.join(args.output_dir, f"checkpoint-{SAVE_AT}"))
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == SAVE_AT + 1:  # the optimizer has stepped once more: now DCP may write
+            self.gate.set()
+
+
+def _rank(rank: int, root: str, port: int) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    from raytrain import Trainer
+    from raytrain.worker import loop
+    from tests.strategies._helpers import digits_args, digits_model, full_weights, state_digest
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    gate, failing, seen, write_threads = threading.Event(), threading.Event(), {}, []
+    real_write = FileSystemWriter.write_data
+
+    def gated_write(self, plan, planner):
+        write_threads.append(threading.current_thread().name)
+        if threading.current_thread() is threading.main_thread():
+            raise AssertionError("DCP writes on the training thread")
+        if failing.is_set() and rank == 1:
+            raise OSError(28, "No space left on device (injected)")
+        if not gate.wait(60):
+            raise TimeoutError("the step after the save never came")
+        return real_write(self, plan, planner)
+
+    FileSystemWriter.write_data = gated_write
+    rng = np.random.default_rng(0)  # digits-shaped rows (sklearn's loader would cost each process seconds)
+    train = {"pixels": rng.random((640, 64), dtype=np.float32), "labels": rng.integers(0, 10, 640)}
+    digests = {}
+    first = os.path.join(root, "uninterrupted", f"checkpoint-{SAVE_AT}")
+    for name, resume in (("uninterrupted", None), ("resumed", first)):
+        gate.clear()
+        if resume is not None:
+            gate.set()
+        args = digits_args(os.path.join(root, name), max_steps=STEPS, save_steps=SAVE_AT, save_async=True,
+                           distributed={"strategy": "fsdp", "fsdp": {"min_num_params": 2000}})
+        trainer = Trainer(digits_model(), args, train_dataset=train, callbacks=[_GateDCP(gate, seen)])
+        loop.train(trainer, resume)
+        digests[name] = state_digest(full_weights(trainer.model_wrapped))
+    failing.set()  # rank 1's DCP write fails: every rank's save fails with it, none hangs or commits
+    args = digits_args(os.path.join(root, "failing"), max_steps=SAVE_AT, save_steps=SAVE_AT, save_async=True,
+                       distributed={"strategy": "fsdp", "fsdp": {"min_num_params": 2000}})
+    try:
+        loop.train(Trainer(digits_model(), args, train_dataset=train), None)
+        error = None
+    except Exception as e:  # noqa: BLE001 - the test asserts on it
+        error = f"{type(e).__name__}: {e}"
+    dist.destroy_process_group()
+    with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
+        json.dump({"seen": seen, "digests": digests, "write_threads": write_threads, "error": error}, f)
+
+
+@pytest.mark.timeout(180)
+def test_fsdp2_background_save_writes_dcp_after_save_returns_and_resumes_bit_exactly(tmp_path):
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rank, args=(str(tmp_path), _free_port()), nprocs=2, join=True)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for r in results:
+        # save() returned with nothing of DCP's on disk, the checkpoint not committed
+        assert r["seen"] == {"dcp_files_at_return": [], "committed_at_return": False}
+        assert r["write_threads"] and "MainThread" not in r["write_threads"]
+        # the state staged at the save was written (a later one would change the resumed run's maths)
+        assert r["digests"]["resumed"] == r["digests"]["uninterrupted"]
+    assert results[0]["digests"] == results[1]["digests"]
+    first = tmp_path / "uninterrupted" / f"checkpoint-{SAVE_AT}"
+    manifest = ckpt.verify_checkpoint(str(first))
+    assert {"dcp/.metadata", "dcp/__0_0.distcp", "dcp/__1_0.distcp"} <= set(manifest["files"])
+    assert manifest["strategy"] == "fsdp" and manifest["world_size"] == 2
+    last = [ckpt.load_weights(str(tmp_path / run / f"checkpoint-{STEPS}")) for run in ("uninterrupted", "resumed")]
+    assert last[0].keys() == last[1].keys() and all(torch.equal(last[0][k], last[1][k]) for k in last[0])
+    assert not [p for p in (tmp_path / "uninterrupted").iterdir() if p.name.startswith(".tmp")]
+    for r in results:  # surfaced by the writer on every rank, naming the failing rank's error
+        assert r["error"].startswith("CheckpointError: background checkpoint write failed: CheckpointException")
+        assert "No space left on device (injected)" in r["error"]
+    assert not (tmp_path / "failing" / f"checkpoint-{SAVE_AT}").exists()
