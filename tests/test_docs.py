@@ -4,10 +4,10 @@ snippet it shows (docs/snippets/, included by the pages; the README's copies) ru
 Snippets in RUN are run: shell commands of `python -m raytrain.run` / `raytrain.report` in this
 process through their main() (quickstart.sh in a real shell, as a newcomer types it), with the
 --set overrides below that keep them small; Python files with runpy; tracking.sh's `mlflow ui` is a
-server: the store it names is read instead. Snippets in CHECKED need what this suite cannot spend
-(pip installs, a new Ray cluster, minutes, a cloud): their configs are validated, every name they
-use is looked up, and the scripts and executables they call exist; the Ray tests named below run
-the same commands, smaller.
+server: the store it names is read instead. Snippets in RUN_BY_RAY_TEST are run by the Ray test
+named there, which reads the snippet and adds the overrides shown. Snippets in CHECKED need what this
+suite cannot spend (pip installs, a cloud, minutes): their configs are validated, every name they use
+is looked up, and the scripts and executables they call exist.
 """
 
 from __future__ import annotations
@@ -40,13 +40,17 @@ RUN = {
     "quickstart.py": [], "concepts.py": [], "checkpoints.py": [], "data_files.py": [],
     "hf_switch.py": [], "hf_dataclass.py": [],
 }
+# snippet -> the Ray test that runs it (read from the snippet, with the overrides it adds); the Ray tests
+# share the session's cluster, so the snippet is run there rather than here
+RUN_BY_RAY_TEST = {
+    "sweep.sh": ("tests/sweep/test_search.py", "--set search.num_samples=2"),
+    "distributed.sh": ("tests/driver/test_quiet.py", "--set max_steps=10"),
+}
 # snippet -> why it is only checked
 CHECKED = {
     "install.sh": "pip installs: compared with .ci/run, which CI runs",
     "install_cpu.sh": "a pip install from download.pytorch.org: no network in tests",
-    "sweep.sh": "a Ray Tune sweep of 8 trials (about a minute); the CLI's sweep: test_cli_search_resumes_by_name",
     "sweep.py": "a Ray Tune sweep (ASHA: no backend='optuna' run); the API: tests/sweep/test_search.py",
-    "distributed.sh": "two Ray Train workers; the 2-worker CLI run: tests/driver/test_quiet.py",
     "data_ray.py": "Ray Data on an S3 bucket and two Ray Train workers",
     "cluster.sh": "a Ray cluster on a cloud; the job submitted to a token head: test_ray_job_submit_end_to_end",
     "benchmarks.sh": "minutes each",
@@ -84,7 +88,9 @@ def _program(words: list[str]) -> tuple[dict[str, str], list[str]]:
 
 def test_every_snippet_is_tested_and_shown():
     files = set(os.listdir(SNIPPETS))
-    assert files == set(RUN) | set(CHECKED), "each snippet is in RUN or CHECKED"
+    assert files == set(RUN) | set(CHECKED) | set(RUN_BY_RAY_TEST), "each snippet is run or checked"
+    for name, (test_file, _) in RUN_BY_RAY_TEST.items():  # the named test reads the snippet itself
+        assert f'"snippets", "{name}"' in _read(test_file), f"{test_file} does not run docs/snippets/{name}"
     pages = "".join(_read("docs", p) for p in os.listdir(DOCS) if p.endswith(".md"))
     shown = set(re.findall(r'--8<-- "docs/snippets/([^"]+)"', pages))
     assert files == shown, f"not shown on any page: {files - shown}; missing: {shown - files}"
@@ -272,7 +278,7 @@ def _script_flags(path: str) -> set[str]:
             for a in n.args if isinstance(a, ast.Constant) and str(a.value).startswith("--")}
 
 
-@pytest.mark.parametrize("name", sorted(n for n in CHECKED if n.endswith(".sh") and n != "install.sh"))
+@pytest.mark.parametrize("name", sorted(n for n in (*CHECKED, *RUN_BY_RAY_TEST) if n.endswith(".sh") and n != "install.sh"))
 def test_shell_snippet_checks(name):
     for words in _commands(_read("docs", "snippets", name)):
         env, words = _program(words)

@@ -267,7 +267,7 @@ def main(spec_path: str) -> None:
                        scaling={"max_failures": spec.get("max_failures", 0),
                                 "resources_per_worker": {"CPU": 1, "spot": 1}},
                        distributed=spec.get("distributed") or {"strategy": spec.get("strategy", "ddp")},
-                       save_async=spec.get("save_async", False), **best)
+                       save_async=spec.get("save_async", False), save_total_limit=spec.get("keep"), **best)
     callbacks = [PauseOnce(**spec["pause"])] if spec.get("pause") else []
     if spec.get("marks"):  # benchmarks/distributed.py
         callbacks.append(StepMarks(spec["marks"]))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import subprocess
 import sys
 
@@ -21,7 +22,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # Every line a clean 2-worker digits run prints (stdout and stderr into one file).
 _RAYTRAIN_LINES = [
     r"training DigitsMLP \(26\.6k parameters\) \| 1438 training samples, 23 batches per epoch per process \| "
-    r"10 steps \(1 epoch\) \| 2 processes \(ddp\) \| output_dir \S+ \| from step 0",
+    r"10 steps \(1 epoch\) \| 2 processes \(fsdp\) \| output_dir \S+ \| from step 0",
     r"step (5|10)/10( \w+=\S+)+",
     r"summary: \{.*\}",
 ]
@@ -36,9 +37,12 @@ def test_a_two_worker_cli_run_prints_raytrains_lines_only(tmp_path):
                                                             "RAY_DEDUP_LOGS_SKIP_REGEX", "OMP_NUM_THREADS")}
     env["PYTHONPATH"] = ROOT
     log = tmp_path / "run.log"
+    # The docs' 2-worker command (docs/snippets/distributed.sh: FSDP2), 10 steps of it.
+    with open(os.path.join(ROOT, "docs", "snippets", "distributed.sh")) as f:
+        [shown] = [line for line in f.read().splitlines() if line.startswith("python -m raytrain.run")]
     with open(log, "wb") as f:
-        p = subprocess.run([sys.executable, "-m", "raytrain.run", "--config", "examples/digits.yaml",
-                            "--set", "scaling.num_workers=2", "--set", f"output_dir={tmp_path / 'out'}",
+        p = subprocess.run([sys.executable] + shlex.split(shown)[1:] + [
+                            "--set", f"output_dir={tmp_path / 'out'}",
                             "--set", "max_steps=10", "--set", "logging_steps=5", "--no-report"],
                            cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT, timeout=280)
     raw = log.read_bytes()

@@ -134,6 +134,21 @@ def test_losing_rank_1s_node_resumes_from_storage_bit_exact(cluster, reference):
     _every_rank_in_storage(storage)
 
 
+@pytest.mark.timeout(900)
+def test_losing_rank_0s_node_resumes_from_storage_bit_exact(cluster, reference):
+    """DDP: rank 0's node is lost after step 12 (the driver's output_dir is on another disk); the group
+    restarts with rank 0 on a new node whose disk is empty, resumes from Ray's checkpoint-10 and ends
+    bit for bit as the uninterrupted run, trainer_state.json and final/ on the driver's output_dir."""
+    flag = os.path.join(cluster.storage, "lose-rank0-ddp")
+    storage = os.path.join(cluster.storage, "lost0")
+    run = _run(cluster, "lost0", os.path.join(cluster.local, "lost0"), storage, during=_lose_node_at(flag, "h"),
+               max_failures=1, pause={"rank": 0, "step": 12, "flag": flag})
+    assert run["global_step"] == 20 and run["digest"] == reference["digest"]
+    assert run["logs"] == reference["logs"]
+    assert {"final", "trainer_state.json"} <= set(run["output_dir"])
+    _every_rank_in_storage(storage)
+
+
 @pytest.fixture(scope="module")
 def fsdp_reference(cluster):
     """FSDP2, uninterrupted, its output_dir on a disk every node shares."""
@@ -158,6 +173,21 @@ def test_fsdp_losing_rank_0s_node_resumes_from_storage(cluster, reference, fsdp_
     _every_rank_in_storage(storage)
     shards = set(os.listdir(os.path.join(_storage_checkpoints(storage)[-1], "dcp")))
     assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= shards
+
+
+@pytest.mark.timeout(1200)
+def test_fsdp_losing_rank_1s_node_during_a_background_save(cluster, fsdp_reference):
+    """FSDP2 with save_async: each rank's optimizer shard is staged at the step and written by DCP in the
+    background; rank 1's node is lost while checkpoint-15 is being written; the group resumes from the
+    last checkpoint every rank completed and ends bit for bit as the uninterrupted (synchronous) run."""
+    flag = os.path.join(cluster.storage, "lose-rank1-fsdp-saving")
+    storage = os.path.join(cluster.storage, "fsdp-saving")
+    run = _run(cluster, "fsdp-saving", os.path.join(cluster.local, "fsdp-saving"), storage,
+               during=_lose_node_at(flag, "g"), max_failures=1, strategy="fsdp", save_async=True,
+               pause={"rank": 1, "step": 15, "flag": flag, "at": "save"})
+    assert run["global_step"] == 20
+    assert run["digest"] == fsdp_reference["digest"] and run["logs"] == fsdp_reference["logs"]
+    _every_rank_in_storage(storage)
 
 
 @pytest.mark.timeout(900)
@@ -191,14 +221,16 @@ def zero3_reference(cluster):
 def test_zero3_losing_rank_0s_node_during_a_save_ends_with_the_best_model(cluster, zero3_reference):
     """ZeRO-3 with load_best_model_at_end: rank 0's node is lost while saving checkpoint-15; rank 0
     restarts on a new node whose disk never held checkpoint-5, the best; the run ends with the same
-    logs and the same (best) weights as the uninterrupted ZeRO-3 run."""
+    logs and the same (best) weights as the uninterrupted ZeRO-3 run. save_total_limit 2 keeps the
+    best in Ray's storage too (Ray's num_to_keep alone would keep 15 and 20, and rank 0 could not load it)."""
     assert zero3_reference["best_model_checkpoint"].endswith("checkpoint-5")
     flag = os.path.join(cluster.storage, "lose-rank0-zero3")
     storage = os.path.join(cluster.storage, "zero3")
     run = _run(cluster, "zero3", os.path.join(cluster.local, "zero3"), storage, during=_lose_node_at(flag, "f"),
-               max_failures=1, distributed=ZERO3, best=True,
+               max_failures=1, distributed=ZERO3, best=True, keep=2,
                pause={"rank": 0, "step": 15, "flag": flag, "at": "save"})
     assert run["global_step"] == 20 and run["logs"] == zero3_reference["logs"]
     assert run["best_model_checkpoint"].endswith("checkpoint-5")
     assert run["digest"] == zero3_reference["digest"]
     _every_rank_in_storage(storage)
+    assert sorted(ckpt.verify_checkpoint(p)["global_step"] for p in _storage_checkpoints(storage)) == [5, 20]

@@ -332,20 +332,21 @@ def test_cli_search_resumes_by_name(ray_cluster, tmp_path):
     import subprocess
     import sys
 
-    spec = tmp_path / "space.yaml"
-    spec.write_text("metric: eval_accuracy\nmode: max\nnum_samples: 5\nscheduler: asha\nseed: 1\n"
-                    "max_concurrent_trials: 2\nspace:\n  learning_rate: {loguniform: [1.0e-3, 1.0e-2]}\n")
+    import shlex
+
     env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    cmd = [sys.executable, "-m", "raytrain.run", "--config", "examples/digits.yaml", "--search", str(spec),
-           "--set", f"output_dir={tmp_path / 'out'}", "--set", "num_train_epochs=2",
-           "--set", "search.num_samples=2"]  # the CLI's override of the search YAML
+    # The docs' sweep command (docs/snippets/sweep.sh, search_spaces/digits.yaml), 2 of its 8 trials.
+    with open(os.path.join(root, "docs", "snippets", "sweep.sh")) as f:
+        [shown] = [line for line in f.read().splitlines() if line.startswith("python -m raytrain.run")]
+    cmd = [sys.executable] + shlex.split(shown)[1:] + [
+        "--set", f"output_dir={tmp_path / 'out'}", "--set", "search.num_samples=2"]  # the CLI's override of the search YAML
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-2000:]
     [line] = [ln for ln in proc.stdout.splitlines() if "best trial" in ln]  # printed once
     assert line.startswith("[sweep] best trial ")
     assert "learning_rate" in line and float(line.split("objective=")[1].split()[0]) > 0.8
-    table = pd.read_csv(tmp_path / "out" / "sweeps" / "space" / "trials.csv")
+    table = pd.read_csv(tmp_path / "out" / "sweeps" / "digits" / "trials.csv")
     assert len(table) == 2
     # Continuing a finished sweep (what --resume auto calls) is test_tune_restore's cloud test, in-process.
     never = subprocess.run(cmd + ["--resume", "never"], cwd=root, env=env, capture_output=True, text=True,
