@@ -45,12 +45,12 @@ RUN = {
 RUN_BY_RAY_TEST = {
     "sweep.sh": ("tests/sweep/test_search.py", "--set search.num_samples=2"),
     "distributed.sh": ("tests/driver/test_quiet.py", "--set max_steps=10"),
+    "sweep.py": ("tests/sweep/test_search.py", "n_trials=2, max_steps=20"),
 }
 # snippet -> why it is only checked
 CHECKED = {
     "install.sh": "pip installs: compared with .ci/run, which CI runs",
     "install_cpu.sh": "a pip install from download.pytorch.org: no network in tests",
-    "sweep.py": "a Ray Tune sweep (ASHA: no backend='optuna' run); the API: tests/sweep/test_search.py",
     "data_ray.py": "Ray Data on an S3 bucket and two Ray Train workers",
     "cluster.sh": "a Ray cluster on a cloud; the job submitted to a token head: test_ray_job_submit_end_to_end",
     "benchmarks.sh": "minutes each",
@@ -319,7 +319,7 @@ def _undefined_names(tree: ast.AST) -> set[str]:
     return used - bound
 
 
-@pytest.mark.parametrize("name", sorted(n for n in CHECKED if n.endswith(".py")))
+@pytest.mark.parametrize("name", sorted(n for n in (*CHECKED, *RUN_BY_RAY_TEST) if n.endswith(".py")))
 def test_python_snippet_checks(name):
     """Compiles; every imported name exists; every keyword given to an imported callable (and to
     hyperparameter_search) is one it takes; every attribute read from its result exists."""

@@ -328,6 +328,28 @@ def test_a_two_worker_trial_at_a_uri_restores_elsewhere_and_restarts_a_killed_wo
 
 
 @pytest.mark.timeout(300)
+def test_the_docs_python_sweep_runs(ray_cluster, tmp_path, monkeypatch, capsys):
+    """docs/snippets/sweep.py as shown, smaller: 2 of its 16 trials, 20 steps instead of 180."""
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "docs", "snippets", "sweep.py")) as f:
+        shown = f.read()
+    small = shown
+    for big, little in [("n_trials=16", "n_trials=2"), ("max_steps=180", "max_steps=20"), ("eval_steps=45", "eval_steps=10"),
+                        ("save_steps=45", "save_steps=10")]:
+        assert big in small, big
+        small = small.replace(big, little)
+    monkeypatch.chdir(tmp_path)  # its output_dir is relative: runs/digits
+    exec(compile(small, "sweep.py", "exec"), {"__name__": "__main__"})
+    table = pd.read_csv(tmp_path / "runs" / "digits" / "sweeps" / "digits" / "trials.csv", dtype={"trial_id": str})
+    assert len(table) == 2 and set(table["status"]) <= {"finished", "stopped early"}
+    ids = set(table["trial_id"])
+    out = capsys.readouterr().out
+    # print(best.run_id, best.objective, best.hyperparameters, best.checkpoint): the id, then the objective
+    [line] = [ln for ln in out.splitlines() if ln.split()[:1] and ln.split()[0] in ids and "{" in ln]
+    assert float(line.split()[1]) == pytest.approx(table["objective"].max(), abs=1e-4) and "checkpoint-" in line
+
+
+@pytest.mark.timeout(300)
 def test_cli_search_resumes_by_name(ray_cluster, tmp_path):
     import subprocess
     import sys
