@@ -233,6 +233,28 @@ class PauseOnce(TrainerCallback):
             self._pause(state)
 
 
+class WorldLog(TrainerCallback):
+    """Rank 0 appends [step, world size, gradient_accumulation_steps] at every step end to `path`; with
+    `hold` ({"world", "step"}), a group of that size waits at that step (up to 5 minutes) for a resize
+    to replace it."""
+
+    def __init__(self, path: str, hold: dict | None = None):
+        self.path, self.hold = path, hold
+
+    def on_step_end(self, args, state, control, **kwargs):
+        import torch.distributed as dist
+
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if state.is_world_process_zero:
+            with open(self.path, "a") as f:
+                f.write(json.dumps([state.global_step, world, args.gradient_accumulation_steps]) + "\n")
+        hold = self.hold
+        if hold and world == hold["world"] and state.global_step == hold["step"]:
+            deadline = time.time() + 300
+            while time.time() < deadline:
+                time.sleep(0.5)
+
+
 class StepMarks(TrainerCallback):
     """Rank 0 appends [wall time, perf_counter, step] at every step end to `path` (across restarts)."""
 
@@ -265,10 +287,13 @@ def main(spec_path: str) -> None:
                 greater_is_better=True) if spec.get("best") else {}
     args = digits_args(spec["output_dir"], spec.get("storage"), max_steps=20, logging_steps=1, save_steps=5,
                        scaling={"max_failures": spec.get("max_failures", 0),
-                                "resources_per_worker": {"CPU": 1, "spot": 1}},
+                                "resources_per_worker": {"CPU": 1, "spot": 1},
+                                **({"num_workers": [1, 2], "resize_interval_s": 1} if spec.get("elastic") else {})},
                        distributed=spec.get("distributed") or {"strategy": spec.get("strategy", "ddp")},
                        save_async=spec.get("save_async", False), save_total_limit=spec.get("keep"), **best)
     callbacks = [PauseOnce(**spec["pause"])] if spec.get("pause") else []
+    if spec.get("worlds"):
+        callbacks.append(WorldLog(spec["worlds"], spec.get("hold")))
     if spec.get("marks"):  # benchmarks/distributed.py
         callbacks.append(StepMarks(spec["marks"]))
     result: dict = {}

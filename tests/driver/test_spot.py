@@ -68,8 +68,8 @@ def _every_rank_in_storage(storage: str) -> None:
         assert {"rng_state_0.pth", "rng_state_1.pth", ckpt.WEIGHTS, ckpt.TRAINER_STATE} <= set(manifest["files"])
 
 
-def _lose_node_at(flag: str, replacement: str):
-    """Once the paused rank has written `flag` (its mount namespace), lose its node, add another."""
+def _lose_node_at(flag: str, replacement: str | None):
+    """Once the paused rank has written `flag` (its mount namespace), lose its node, add another (unless None)."""
 
     def during(sim, proc):
         deadline = time.time() + 400
@@ -78,7 +78,8 @@ def _lose_node_at(flag: str, replacement: str):
             time.sleep(0.5)
         with open(flag) as f:
             sim.lose(f.read())
-        sim.add_node(replacement)
+        if replacement is not None:
+            sim.add_node(replacement)
 
     return during
 
@@ -234,3 +235,42 @@ def test_zero3_losing_rank_0s_node_during_a_save_ends_with_the_best_model(cluste
     assert run["digest"] == zero3_reference["digest"]
     _every_rank_in_storage(storage)
     assert sorted(ckpt.verify_checkpoint(p)["global_step"] for p in _storage_checkpoints(storage)) == [5, 20]
+
+
+@pytest.mark.timeout(1200)
+def test_elastic_group_shrinks_when_a_node_is_lost_and_grows_when_one_joins(cluster, reference):
+    """scaling.num_workers [1, 2]: rank 1's node is lost after step 12 with no replacement; the group
+    restarts on the one node left from checkpoint-10, accumulating 2 micro-batches (the global batch of
+    32 kept); once it has saved checkpoint-15 a node joins and Ray's resize restarts the group on 2
+    workers from it. The run ends at step 20 with the uninterrupted run's losses (to float rounding:
+    one rank sums the two micro-batches where two ranks all-reduce them)."""
+    flag = os.path.join(cluster.storage, "lose-rank1-elastic")
+    worlds = os.path.join(cluster.storage, "elastic-worlds.jsonl")
+
+    def during(sim, proc):
+        _lose_node_at(flag, replacement=None)(sim, proc)
+        deadline = time.time() + 400
+        while not any(json.loads(line)[:2] == [16, 1] for line in _lines(worlds)):
+            assert proc.poll() is None and time.time() < deadline, "the group never ran on one worker"
+            time.sleep(0.5)
+        sim.add_node("i")
+
+    run = _run(cluster, "elastic", os.path.join(cluster.local, "elastic"), os.path.join(cluster.storage, "elastic"),
+               during=during, max_failures=1, elastic=True, worlds=worlds, hold={"world": 1, "step": 16},
+               pause={"rank": 1, "step": 12, "flag": flag})
+    assert run["global_step"] == 20
+    segments = []  # (first step, world size, accumulation) of each group
+    for step, world, accumulation in (json.loads(line) for line in _lines(worlds)):
+        if not segments or segments[-1][1:] != (world, accumulation):
+            segments.append((step, world, accumulation))
+    assert segments == [(1, 2, 1), (11, 1, 2), (16, 2, 1)], segments
+    ours, theirs = [h["loss"] for h in run["logs"]], [h["loss"] for h in reference["logs"]]
+    assert [h["step"] for h in run["logs"]] == list(range(1, 21))
+    assert ours[:10] == theirs[:10] and ours == pytest.approx(theirs, rel=1e-4)
+
+
+def _lines(path: str) -> list[str]:
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [line for line in f if line.strip()]
