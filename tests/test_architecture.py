@@ -107,3 +107,14 @@ def test_no_file_in_the_package_is_over_500_lines():
     long = {os.path.relpath(p, ROOT): n for p, _ in _modules().values()
             if (n := sum(1 for _ in open(p))) > 500}
     assert not long, long
+
+
+def test_test_files_have_unique_names():
+    """tests/ has no __init__.py: pytest imports test files by their base name, so two files of one
+    name in two folders fail collection (the second is not run at all)."""
+    seen: dict[str, str] = {}
+    for folder, _, names in os.walk(os.path.join(ROOT, "tests")):
+        for name in names:
+            if name.startswith("test_") and name.endswith(".py"):
+                assert name not in seen, f"{name}: in {seen.get(name)} and {folder}"
+                seen[name] = folder

@@ -188,7 +188,7 @@ def test_failures_multi_objective_and_mlflow_parent_child(ray_cluster, tmp_path,
     assert parent.data.params["sweep.space.learning_rate"] == "loguniform[0.001, 0.03]"
     artifacts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     # Every file the sweep drew is an artifact. Two objectives have no one `objective` to draw over steps:
-    # no plots/objective.png (tests/sweep/test_tracking.py sends a single objective's PNG to the parent).
+    # no plots/objective.png (tests/sweep/test_sweep_tracking.py sends a single objective's PNG to the parent).
     drawn = {p.name for p in sweep.glob("*.html")}
     assert drawn >= {"pareto_front.html", "optimization_history.html"} and not (sweep / "plots").exists()
     assert artifacts == {"trials.csv"} | drawn
