@@ -195,7 +195,7 @@ class RayReportCallback(TrainerCallback):
         if checkpoint is not None and self.strategy.is_main and keeps_best(args):
             storage = ray.train.get_context().get_storage()
             best = state.best_model_checkpoint
-            keep = {int(best.rstrip("/").rsplit("-", 1)[-1])} if best else set()
+            keep = {_step_of(best)} if best else set()
             prune_storage(storage.storage_filesystem, storage.experiment_fs_path, args.save_total_limit, keep | {step})
 
 
@@ -319,7 +319,7 @@ def _checkpoint_here(path: str):
 
     storage = ray.train.get_context().get_storage()
     fs, root = storage.storage_filesystem, storage.experiment_fs_path
-    step = int(os.path.basename(os.path.normpath(path)).rsplit("-", 1)[-1])
+    step = _step_of(path)
     stored = _stored_checkpoint(fs, root, step)
     if stored is None:
         raise ckpt.CheckpointError(f"{path}: not complete on this node's disk, and Ray's storage {root} holds no "
@@ -330,6 +330,11 @@ def _checkpoint_here(path: str):
             pyarrow.fs.copy_files(f"{source}/{name}", os.path.join(local, name), source_filesystem=fs)
         logger.info("%s fetched from Ray's storage (%s)", os.path.basename(path), source)
         yield local
+
+
+def _step_of(path: str) -> int:
+    """N of a checkpoint-N directory (checkpoint.checkpoint_dir's inverse)."""
+    return int(os.path.basename(os.path.normpath(path)).rsplit("-", 1)[-1])
 
 
 def _stored_checkpoint(fs, root: str, step: int) -> tuple[str, dict] | None:

@@ -121,29 +121,16 @@ def test_node_local_output_dir_trains_as_on_a_shared_disk(cluster, reference):
 
 
 @pytest.mark.timeout(900)
-def test_losing_rank_1s_node_resumes_from_storage_bit_exact(cluster, reference):
-    """Rank 1's node (and its disk) is lost after step 12; a new node joins; the restarted group
-    (max_failures) resumes from Ray's checkpoint-10, which holds rank 1's files too (old code:
-    "not a checkpoint directory"), and ends bit for bit as the uninterrupted run."""
-    flag = os.path.join(cluster.storage, "lose-rank1")
-    storage = os.path.join(cluster.storage, "lost")
-    run = _run(cluster, "lost", os.path.join(cluster.local, "lost"), storage, during=_lose_node_at(flag, "c"),
-               max_failures=1, pause={"rank": 1, "step": 12, "flag": flag})
-    assert run["global_step"] == 20 and run["digest"] == reference["digest"]
-    assert run["logs"] == reference["logs"]
-    assert {"final", "trainer_state.json"} <= set(run["output_dir"])
-    _every_rank_in_storage(storage)
-
-
-@pytest.mark.timeout(900)
-def test_losing_rank_0s_node_resumes_from_storage_bit_exact(cluster, reference):
-    """DDP: rank 0's node is lost after step 12 (the driver's output_dir is on another disk); the group
-    restarts with rank 0 on a new node whose disk is empty, resumes from Ray's checkpoint-10 and ends
-    bit for bit as the uninterrupted run, trainer_state.json and final/ on the driver's output_dir."""
-    flag = os.path.join(cluster.storage, "lose-rank0-ddp")
-    storage = os.path.join(cluster.storage, "lost0")
-    run = _run(cluster, "lost0", os.path.join(cluster.local, "lost0"), storage, during=_lose_node_at(flag, "h"),
-               max_failures=1, pause={"rank": 0, "step": 12, "flag": flag})
+@pytest.mark.parametrize("rank, replacement", [(1, "c"), (0, "h")])
+def test_losing_a_ranks_node_resumes_from_storage_bit_exact(cluster, reference, rank, replacement):
+    """DDP: the node of `rank` (and its disk) is lost after step 12; a new node with an empty disk joins;
+    the restarted group (max_failures) resumes from Ray's checkpoint-10, which holds rank 1's files too
+    (old code: "not a checkpoint directory"), and ends bit for bit as the uninterrupted run, with
+    trainer_state.json and final/ on the driver's output_dir whichever node rank 0 ran on."""
+    flag = os.path.join(cluster.storage, f"lose-rank{rank}")
+    storage = os.path.join(cluster.storage, f"lost{rank}")
+    run = _run(cluster, f"lost{rank}", os.path.join(cluster.local, f"lost{rank}"), storage,
+               during=_lose_node_at(flag, replacement), max_failures=1, pause={"rank": rank, "step": 12, "flag": flag})
     assert run["global_step"] == 20 and run["digest"] == reference["digest"]
     assert run["logs"] == reference["logs"]
     assert {"final", "trainer_state.json"} <= set(run["output_dir"])
