@@ -18,11 +18,16 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 @pytest.fixture(scope="session")
 def ray_cluster():
     """A local Ray cluster for the whole session: 4 logical CPUs on this 2-core machine so that
-    a 2-worker TorchTrainer and its controller fit; the dashboard stays off."""
+    a 2-worker TorchTrainer and its controller fit. Off, to spare CPU on 2 cores: the dashboard; Ray's
+    idle-worker prestart (actors here run in their own runtime env, so prestarted workers go unused);
+    Ray Train's preemption watcher actor (a notice is simulated in the train context: PreemptionNotice)."""
     ray = pytest.importorskip("ray")
     if not ray.is_initialized():
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-                 runtime_env={"env_vars": {"PYTHONPATH": ROOT, "DS_ACCELERATOR": "cpu"}})
+                 _system_config={"enable_worker_prestart": False},
+                 runtime_env={"env_vars": {"PYTHONPATH": ROOT, "DS_ACCELERATOR": "cpu",
+                                           "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": os.environ.get(
+                                               "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")}})
     yield ray
     ray.shutdown()
 
