@@ -1,8 +1,9 @@
 """Distributed checkpoints and recovery on Ray: what a save costs the step, what a lost node costs the run.
 
     python benchmarks/distributed.py [--mb 32] [--steps 40] [--rounds 2] [--parts saves,recovery]
+                                     [--strategies ddp,fsdp,deepspeed]
 
-  saves:    2 Ray workers (DDP, then FSDP2), a checkpoint every 10 steps, synchronous and in the
+  saves:    2 Ray workers (DDP, FSDP2, ZeRO-2), a checkpoint every 10 steps, synchronous and in the
             background (save_async), against none: median and mean step time (rank 0, step end to step
             end; a step that saves carries its save), the order of the three modes rotated over
             rounds, on one local Ray cluster (target: median <= 1.05x).
@@ -62,9 +63,9 @@ def _saves_run(tmp: str, strategy: str, mode: str, mb: int, steps: int) -> list[
     return [b - a for a, b in zip(times, times[1:])][1:]  # the first interval is warm-up
 
 
-def bench_saves(tmp: str, mb: int, steps: int, rounds: int) -> dict:
+def bench_saves(tmp: str, mb: int, steps: int, rounds: int, strategies: list[str]) -> dict:
     out = {}
-    for strategy in ("ddp", "fsdp"):
+    for strategy in strategies:
         got: dict[str, list[float]] = {"none": [], "sync": [], "async": []}
         modes = list(got)
         for i in range(rounds):  # the order of the three rotated each round
@@ -121,6 +122,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--parts", default="saves,recovery")
+    p.add_argument("--strategies", default="ddp,fsdp,deepspeed", help="for saves (deepspeed: ZeRO-2)")
     a = p.parse_args()
     parts = set(a.parts.split(","))
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}")
@@ -132,7 +134,7 @@ def main() -> None:
             from raytrain.driver.launch import ensure_ray
 
             ensure_ray(None)
-            r = bench_saves(tmp, a.mb, a.steps, a.rounds)
+            r = bench_saves(tmp, a.mb, a.steps, a.rounds, a.strategies.split(","))
         finally:
             ray.shutdown()
             shutil.rmtree(tmp, ignore_errors=True)

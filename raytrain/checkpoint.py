@@ -27,7 +27,7 @@ import torch
 from safetensors import SafetensorError
 
 from .checkpoint_io import (ALGORITHMS, CHECKSUM, ChecksumMismatch, HostStaging, describe_files, disk_leaders,
-                            file_checksum, lower_thread_priority, read_safetensors, rename_into_place, save_pickle,
+                            file_checksum, lower_thread_priority, maybe_pause, read_safetensors, rename_into_place, save_pickle,
                             write_json, write_safetensors)
 
 logger = logging.getLogger(__name__)
@@ -43,10 +43,6 @@ PRETRAINED_CONFIGS = ("config.json", "generation_config.json")  # save_pretraine
 ASYNC_POLICIES = ("wait", "skip")
 _CKPT_RE = re.compile(rf"^{PREFIX}-(\d+)$")
 _TMP_RE = re.compile(rf"^\.tmp-{PREFIX}-\d+$|^{PREFIX}-\d+\.replaced$")
-# Test hook: "FLAGFILE" or "FLAGFILE@STEP". The writer creates FLAGFILE and blocks forever once every
-# file of the checkpoint (of step STEP, or of any step) is in the temporary directory but before the
-# manifest is written, so that a test can kill the process mid-save.
-PAUSE_ENV = "RAYTRAIN_TEST_PAUSE_IN_SAVE"
 
 
 class CheckpointError(RuntimeError):
@@ -287,16 +283,25 @@ class CheckpointWriter:
                channel=None, sharded: Future | None = None) -> None:
         """Write this rank's files, then commit: rank 0 writes the manifest once every rank's files are durable;
         `sharded`, DCP's background write on `channel`'s group, is awaited before the commit's collectives."""
-        if sharded is not None:
-            sharded.result()  # its files fsynced, its collectives done; an error fails this save
-        if ready is not None:
-            ready()  # device-to-host copies have landed
-        entries = self._write_files(tmp, payload)
-        _maybe_pause(tmp, step)
+        try:
+            if sharded is not None:
+                sharded.result()  # its files written, its collectives done
+            if ready is not None:
+                ready()  # device-to-host copies have landed
+            entries, failure = self._write_files(tmp, payload), None
+        except BaseException as e:  # DCP's CheckpointException is a BaseException
+            entries, failure = None, e
+        maybe_pause(tmp, step)
         leaders = self._disk_leaders()  # found on the training thread, at the save's start
         gather = channel.all_gather if channel else self._gather
         barrier = channel.barrier if channel else self.barrier
-        written = gather(entries)  # every rank's files are written and fsynced
+        # Every rank's files are written and fsynced, or a rank's error, which fails the save on every rank.
+        written = gather(entries if failure is None else f"{type(failure).__name__}: {failure}")
+        if failure is not None:
+            raise failure
+        failed = [(r, w) for r, w in enumerate(written) if isinstance(w, str)]
+        if failed:
+            raise CheckpointError(f"rank {failed[0][0]} could not write its files: {failed[0][1]}")
         lead = leaders[self.rank] == self.rank
         mine = {k: v for r, e in enumerate(written) if leaders[r] == self.rank for k, v in e.items()}
         files = describe_files(tmp, mine) if lead else None  # this disk's files, checksummed by their writers
@@ -356,20 +361,6 @@ def _remove_stale_temporaries(output_dir: str) -> None:
         if _TMP_RE.match(name):
             logger.info("removing %s, left by an interrupted save", os.path.join(output_dir, name))
             shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
-
-
-def _maybe_pause(tmp: str, step: int) -> None:
-    value = os.environ.get(PAUSE_ENV)
-    if not value:
-        return
-    flag, sep, at = value.rpartition("@")
-    if not (sep and at.isdigit()):
-        flag, at = value, ""
-    if at and int(at) != step:
-        return
-    with open(flag, "w") as f:
-        f.write(tmp)
-    threading.Event().wait()  # the test kills the process here
 
 
 # ---------------------------------------------------------------- verify, find, rotate

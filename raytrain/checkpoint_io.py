@@ -416,3 +416,23 @@ def rename_into_place(tmp: str, final: str) -> None:
     else:
         os.rename(tmp, final)
     fsync_dir(os.path.dirname(final))
+
+
+# Test hook: "FLAGFILE" or "FLAGFILE@STEP". CheckpointWriter creates FLAGFILE and blocks forever once every
+# file of the checkpoint (of step STEP, or of any step) is in the temporary directory but before the
+# manifest is written, so that a test can kill the process mid-save.
+PAUSE_ENV = "RAYTRAIN_TEST_PAUSE_IN_SAVE"
+
+
+def maybe_pause(tmp: str, step: int) -> None:
+    value = os.environ.get(PAUSE_ENV)
+    if not value:
+        return
+    flag, sep, at = value.rpartition("@")
+    if not (sep and at.isdigit()):
+        flag, at = value, ""
+    if at and int(at) != step:
+        return
+    with open(flag, "w") as f:
+        f.write(tmp)
+    threading.Event().wait()  # the test kills the process here

@@ -176,7 +176,7 @@ def test_sigkill_during_save_leaves_previous_checkpoint_and_resume_is_bit_exact(
     """async: the kill lands while the background thread writes step 6 (the training thread has gone
     on, and waits for that write at the save of step 9)."""
     out, flag = tmp_path / "run", tmp_path / "paused"
-    env = {**os.environ, ckpt.PAUSE_ENV: f"{flag}@6", "PYTHONPATH": os.pathsep.join([ROOT, TESTS])}
+    env = {**os.environ, checkpoint_io.PAUSE_ENV: f"{flag}@6", "PYTHONPATH": os.pathsep.join([ROOT, TESTS])}
     code = (f"from test_checkpoint import _subprocess_main; "
             f"_subprocess_main({str(out)!r}, {torch.get_num_threads()}, {save_async})")
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT,
@@ -215,11 +215,11 @@ def test_a_complete_temporary_directory_is_never_used_and_is_cleaned_by_the_next
 
 
 def test_pause_hook_parses_flag_and_step(tmp_path, monkeypatch):
-    monkeypatch.setenv(ckpt.PAUSE_ENV, f"{tmp_path}/fl@g@7")
-    ckpt._maybe_pause(str(tmp_path), 6)  # another step: returns at once
+    monkeypatch.setenv(checkpoint_io.PAUSE_ENV, f"{tmp_path}/fl@g@7")
+    checkpoint_io.maybe_pause(str(tmp_path), 6)  # another step: returns at once
     assert not os.path.exists(f"{tmp_path}/fl@g")
-    monkeypatch.delenv(ckpt.PAUSE_ENV)
-    ckpt._maybe_pause(str(tmp_path), 7)
+    monkeypatch.delenv(checkpoint_io.PAUSE_ENV)
+    checkpoint_io.maybe_pause(str(tmp_path), 7)
 
 
 # ---------------------------------------------------------------- safe to load

@@ -17,12 +17,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import json
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 
+from ..checkpoint_io import HostStaging, lower_thread_priority
 from ..optim import get_parameter_groups
 from .base import DEEPSPEED_DIR, Strategy, TorchDistributedMixin, enable_gradient_checkpointing
 
@@ -40,6 +43,8 @@ class DeepSpeedStrategy(TorchDistributedMixin, Strategy):
             os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read when deepspeed is first imported
         self.config = build_config(args, self.world_size, on_cpu=self.device.type == "cpu")
         self.engine = None
+        self._staging: HostStaging | None = None  # a background save's host buffers, and its writer thread
+        self._writer: ThreadPoolExecutor | None = None
 
     @property
     def stage(self) -> int:
@@ -154,10 +159,60 @@ class DeepSpeedStrategy(TorchDistributedMixin, Strategy):
     def has_sharded_state(self) -> bool:
         return True
 
-    def save_sharded(self, directory: str, process_group=None) -> None:
-        """Synchronously, whatever `process_group`: none of DeepSpeed 0.19's asynchronous checkpoint engines
-        fits here (docs/checkpoints.md says why)."""
-        self.engine.save_checkpoint(directory, tag=DEEPSPEED_DIR, save_latest=False)
+    def save_sharded(self, directory: str, process_group=None) -> Future | None:
+        """DeepSpeed's engine checkpoint into deepspeed/. With `process_group` (a background save): the
+        engine runs its save as usual (its collectives on the training thread), but each file's state is
+        copied to reused host buffers instead of written, and a thread of this strategy writes them; the
+        future is done once they are written (the commit fsyncs and checksums them). None of DeepSpeed
+        0.19's own asynchronous engines fits here (docs/checkpoints.md says why)."""
+        if process_group is None:
+            self.engine.save_checkpoint(directory, tag=DEEPSPEED_DIR, save_latest=False)
+            return None
+        real = self.engine.checkpoint_engine
+        deferred = _deferred_engine_class()(getattr(real, "zipfile_serialization", False))
+        self.engine.checkpoint_engine = deferred
+        try:
+            self.engine.save_checkpoint(directory, tag=DEEPSPEED_DIR, save_latest=False)
+        finally:
+            self.engine.checkpoint_engine = real
+        if self._staging is None:
+            self._staging = HostStaging()
+            self._writer = ThreadPoolExecutor(1, "raytrain-zero-save", initializer=lower_thread_priority)
+        files = self._staging.copy(deferred.files)  # one pass: storage shared between files stays shared
+        return self._writer.submit(_write_deferred, files, deferred.zipfile, self._staging.ready)
+
+
+@functools.cache
+def _deferred_engine_class():
+    """A DeepSpeed checkpoint engine that keeps what save_checkpoint asks it to write, (path, state) by
+    reference, for the caller to copy once the engine's save has returned (nothing changes in between).
+    Made on first use: deepspeed is imported only once DS_ACCELERATOR is set."""
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointEngine
+
+    class DeferredFiles(CheckpointEngine):
+        def __init__(self, zipfile: bool):
+            super().__init__()
+            self.name, self.zipfile, self.files = "raytrain-deferred", zipfile, []
+
+        def create(self, info) -> None:
+            pass
+
+        def save(self, state_dict, path: str) -> None:
+            self.files.append((path, state_dict))
+
+        def load(self, path: str, map_location=None):
+            raise NotImplementedError("only saves go through this engine")
+
+        def commit(self, info) -> bool:
+            return True
+
+    return DeferredFiles
+
+
+def _write_deferred(files: list, zipfile: bool, ready) -> None:
+    ready()  # device-to-host copies have landed
+    for path, state in files:
+        torch.save(state, path, _use_new_zipfile_serialization=zipfile)
 
 
 # ---------------------------------------------------------------- config

@@ -206,15 +206,19 @@ def zero3_reference(cluster):
 
 
 @pytest.mark.timeout(1200)
-def test_zero3_losing_rank_0s_node_during_a_save_ends_with_the_best_model(cluster, zero3_reference):
-    """ZeRO-3 with load_best_model_at_end: rank 0's node is lost while saving checkpoint-15; rank 0
+@pytest.mark.parametrize("save_async", [False, True], ids=["synchronous", "background"])
+def test_zero3_losing_rank_0s_node_during_a_save_ends_with_the_best_model(cluster, zero3_reference, save_async):
+    """ZeRO-3 with load_best_model_at_end: rank 0's node is lost while saving checkpoint-15 (DeepSpeed's
+    files written on the training thread, or staged and written by the strategy's thread); rank 0
     restarts on a new node whose disk never held checkpoint-5, the best; the run ends with the same
     logs and the same (best) weights as the uninterrupted ZeRO-3 run. save_total_limit 2 keeps the
     best in Ray's storage too (Ray's num_to_keep alone would keep 15 and 20, and rank 0 could not load it)."""
     assert zero3_reference["best_model_checkpoint"].endswith("checkpoint-5")
-    flag = os.path.join(cluster.storage, "lose-rank0-zero3")
-    storage = os.path.join(cluster.storage, "zero3")
-    run = _run(cluster, "zero3", os.path.join(cluster.local, "zero3"), storage, during=_lose_node_at(flag, "f"),
+    name = "zero3-background" if save_async else "zero3"
+    flag = os.path.join(cluster.storage, f"lose-rank0-{name}")
+    storage = os.path.join(cluster.storage, name)
+    run = _run(cluster, name, os.path.join(cluster.local, name), storage,
+               during=_lose_node_at(flag, "j" if save_async else "f"), save_async=save_async,
                max_failures=1, distributed=ZERO3, best=True, keep=2,
                pause={"rank": 0, "step": 15, "flag": flag, "at": "save"})
     assert run["global_step"] == 20 and run["logs"] == zero3_reference["logs"]
