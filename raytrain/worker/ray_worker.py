@@ -146,20 +146,17 @@ def _preemption_info():
 
 
 class RayReportCallback(TrainerCallback):
-    """Every log goes to ray.train.report on every rank (Ray requires it; rank 0's metrics are the
-    run's); every save is reported as a ray.train.Checkpoint by each disk's first rank (rank 0 alone
-    on a shared disk; every rank on node-local ones), which Ray merges into one directory in storage."""
+    """Every save goes to ray.train.report on every rank (Ray requires all of them), with the last log's
+    metrics, as a ray.train.Checkpoint from each disk's first rank (rank 0 alone on a shared disk; every
+    rank on node-local ones), which Ray merges into one directory in storage. Logs alone are not
+    reported: a worker holds one report until Ray's controller polls (every 2 s), so a report per log
+    would hold training at one log per 2 s; the driver gets the run's logs from rank 0's state."""
 
     def __init__(self, strategy):
         self.strategy = strategy
         self.reported_step = -1
         self.reports_dir: bool | None = None
         self.in_flight: int | None = None  # a background distributed save's step, not reported yet
-
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        import ray.train
-
-        ray.train.report({**plain_logs(logs or {}), "step": state.global_step})
 
     def on_save(self, args, state, control, **kwargs):
         if state.global_step == self.reported_step:
