@@ -276,7 +276,8 @@ def train_loop_per_worker(config: dict) -> dict | None:
     trainer.start_memory_tracking()  # as Trainer.train does in-process (skip_memory_metrics)
     _training_active.set()
     try:
-        with reported.as_directory() if reported is not None else contextlib.nullcontext() as ray_path:
+        with reported.as_directory() if reported is not None else contextlib.nullcontext() as ray_path, \
+                _newest_stored(strategy, ray_path) as ray_path:
             resume = _resume_point(strategy, trainer.args.output_dir, config, ray_path)
             out = loop.train(trainer, resume, trial, locate=_checkpoint_here)
     finally:
@@ -290,6 +291,50 @@ def train_loop_per_worker(config: dict) -> dict | None:
     torch.save(weights, buf)
     return {"global_step": out.global_step, "training_loss": out.training_loss, "metrics": dict(out.metrics),
             "state": trainer.state.to_json_string(), "weights": buf.getvalue()}
+
+
+@contextlib.contextmanager
+def _newest_stored(strategy, ray_path: str | None):
+    """Ray's checkpoint, or a newer one complete in the run's storage that Ray has not registered: Ray's
+    controller registers a report when it next polls the workers (every 2 s), so a node lost just after
+    a save leaves every rank's files of that save in storage, unregistered. The run's storage holds this
+    run's checkpoints alone (its name has the driver's start time)."""
+    import pyarrow.fs
+    import ray.train
+
+    newest = None
+    if strategy.is_main:
+        storage = ray.train.get_context().get_storage()
+        fs, root = storage.storage_filesystem, storage.experiment_fs_path
+        try:
+            registered = ckpt.read_manifest(ray_path)["global_step"] if ray_path else -1
+        except ckpt.CheckpointError:  # not raytrain's (resume.restart_point says so)
+            registered = float("inf")
+        stored = {step: d for step, (d, manifest) in _stored_checkpoints(fs, root).items()
+                  if step > registered and _complete_in(fs, d, manifest["files"])}
+        newest = stored[max(stored)] if stored else None
+    newest = strategy.all_gather_object(newest)[0]
+    if newest is None:
+        yield ray_path
+        return
+    logger.warning("%s in Ray's storage is newer than the checkpoint Ray registered; resuming from it", newest)
+    fs = ray.train.get_context().get_storage().storage_filesystem
+    if isinstance(fs, pyarrow.fs.LocalFileSystem):
+        yield newest
+        return
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="raytrain-checkpoint-") as local:
+        pyarrow.fs.copy_files(newest, local, source_filesystem=fs)
+        yield local
+
+
+def _complete_in(fs, directory: str, files: dict) -> bool:
+    """Every file of a manifest uploaded to `directory`, with its size."""
+    import pyarrow.fs
+
+    infos = fs.get_file_info([f"{directory}/{rel}" for rel in files])
+    return all(i.type == pyarrow.fs.FileType.File and i.size == meta.get("size") for i, meta in zip(infos, files.values()))
 
 
 def _resume_point(strategy, output_dir: str, config: dict, ray_path: str | None):

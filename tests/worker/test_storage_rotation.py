@@ -49,3 +49,39 @@ def test_raytrain_rotates_storage_only_where_a_best_checkpoint_is_kept(tmp_path)
     assert keeps_best(args(save_total_limit=2, load_best_model_at_end=True, eval_strategy="steps", save_steps=5,
                            eval_steps=5))  # metric_for_best_model defaults to loss, as HF
     assert not keeps_best(args(save_total_limit=2)) and not keeps_best(args(metric_for_best_model="eval_loss"))
+
+
+def _stored(root, name, step, files, missing=()):
+    d = root / name
+    d.mkdir()
+    for rel, data in files.items():
+        if rel not in missing:
+            (d / rel).write_bytes(data)
+    entries = {rel: {"size": len(data)} for rel, data in files.items()}
+    (d / "manifest.json").write_text(json.dumps({"format_version": 2, "global_step": step, "files": entries}))
+    return d
+
+
+def test_a_restart_takes_a_newer_complete_checkpoint_that_ray_never_registered(tmp_path, monkeypatch):
+    """Ray registers a report when its controller next polls; a node lost in between leaves the save in
+    storage (every rank's files) unregistered. The restarted workers take it, not Ray's older one; an
+    upload missing a rank's file is not taken."""
+    import types
+
+    import ray.train
+
+    from raytrain.worker.ray_worker import _newest_stored
+
+    files = {"model.safetensors": b"w" * 8, "rng_state_0.pth": b"r0", "rng_state_1.pth": b"r1"}
+    registered = _stored(tmp_path, "checkpoint_a", 5, files)
+    newer = _stored(tmp_path, "checkpoint_b", 10, files)
+    _stored(tmp_path, "checkpoint_c", 15, files, missing={"rng_state_1.pth"})  # rank 1's upload never came
+    storage = types.SimpleNamespace(storage_filesystem=pyarrow.fs.LocalFileSystem(), experiment_fs_path=str(tmp_path))
+    monkeypatch.setattr(ray.train, "get_context", lambda: types.SimpleNamespace(get_storage=lambda: storage))
+    rank0 = types.SimpleNamespace(is_main=True, all_gather_object=lambda obj: [obj])
+    with _newest_stored(rank0, str(registered)) as path:
+        assert path == str(newer)
+    with _newest_stored(rank0, str(newer)) as path:  # Ray's is the newest complete one: kept
+        assert path == str(newer)
+    with _newest_stored(rank0, None) as path:  # nothing registered at all
+        assert path == str(newer)
