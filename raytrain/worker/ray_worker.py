@@ -302,10 +302,10 @@ def _newest_stored(strategy, ray_path: str | None):
     import pyarrow.fs
     import ray.train
 
+    storage = ray.train.get_context().get_storage()
+    fs, root = storage.storage_filesystem, storage.experiment_fs_path
     newest = None
     if strategy.is_main:
-        storage = ray.train.get_context().get_storage()
-        fs, root = storage.storage_filesystem, storage.experiment_fs_path
         try:
             registered = ckpt.read_manifest(ray_path)["global_step"] if ray_path else -1
         except ckpt.CheckpointError:  # not raytrain's (resume.restart_point says so)
@@ -318,7 +318,6 @@ def _newest_stored(strategy, ray_path: str | None):
         yield ray_path
         return
     logger.warning("%s in Ray's storage is newer than the checkpoint Ray registered; resuming from it", newest)
-    fs = ray.train.get_context().get_storage().storage_filesystem
     if isinstance(fs, pyarrow.fs.LocalFileSystem):
         yield newest
         return
@@ -334,7 +333,8 @@ def _complete_in(fs, directory: str, files: dict) -> bool:
     import pyarrow.fs
 
     infos = fs.get_file_info([f"{directory}/{rel}" for rel in files])
-    return all(i.type == pyarrow.fs.FileType.File and i.size == meta.get("size") for i, meta in zip(infos, files.values()))
+    return all(i.type == pyarrow.fs.FileType.File and i.size == meta.get("size")
+               for i, meta in zip(infos, files.values()))
 
 
 def _resume_point(strategy, output_dir: str, config: dict, ray_path: str | None):
