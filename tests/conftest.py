@@ -13,9 +13,6 @@ if ROOT not in sys.path:  # examples/ is imported by import strings ("examples.d
 
 os.environ.setdefault("RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO", "0")
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-# Ray Train's Prometheus metrics (for the dashboard, which no test reads) cost each run ~11 CPU-s here: a
-# fifth of a 2-worker run. Read by the driver that builds a TorchTrainer, so set for every process.
-os.environ.setdefault("RAY_TRAIN_METRICS_ENABLED", "0")
 
 
 @pytest.fixture(scope="session")
@@ -23,18 +20,14 @@ def ray_cluster():
     """A local Ray cluster for the whole session: 4 logical CPUs on this 2-core machine so that
     a 2-worker TorchTrainer and its controller fit. Off, to spare CPU on 2 cores (together 8% of a Ray
     Train run's CPU here): the dashboard; Ray's idle-worker prestart; Ray Train's preemption watcher
-    actor (no test drains a node of this cluster: a notice is simulated, PreemptionNotice); and the log
-    monitor's scan for new log files every 0.1 s (every 0.5 s instead: no test reads workers' output)."""
+    actor (no test drains a node of this cluster: a notice is simulated, PreemptionNotice)."""
     ray = pytest.importorskip("ray")
     if not ray.is_initialized():
-        with pytest.MonkeyPatch.context() as env:  # the log monitor started here inherits it, nothing else
-            env.setenv("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
-            ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
-                     _system_config={"enable_worker_prestart": False},
-                     runtime_env={"env_vars": {"PYTHONPATH": ROOT, "DS_ACCELERATOR": "cpu",
-                                               "RAY_TRAIN_METRICS_ENABLED": os.environ["RAY_TRAIN_METRICS_ENABLED"],
-                                               "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": os.environ.get(
-                                                   "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")}})
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False,
+                 _system_config={"enable_worker_prestart": False},
+                 runtime_env={"env_vars": {"PYTHONPATH": ROOT, "DS_ACCELERATOR": "cpu",
+                                           "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": os.environ.get(
+                                               "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER", "0")}})
     yield ray
     ray.shutdown()
 
