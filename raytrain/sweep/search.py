@@ -30,7 +30,7 @@ from typing import Any, Callable, NamedTuple
 
 from ..args import ConfigError, TrainingArguments
 from ..callbacks import DefaultFlowCallback, PrinterCallback, ProgressCallback
-from .space import SearchSpace, load_search_spec, space_from_spec
+from .space import SearchSpace, default_compute_objective, load_search_spec, space_from_spec
 
 logger = logging.getLogger(__name__)
 
@@ -72,14 +72,6 @@ class BestRun(_best_run_base()):
     def __repr__(self) -> str:
         return (f"BestRun(run_id={self.run_id!r}, objective={self.objective!r}, "
                 f"hyperparameters={self.hyperparameters!r}, checkpoint={self.checkpoint!r})")
-
-
-def default_compute_objective(metrics: dict[str, float]) -> float:
-    """HF's default: eval_loss when it is the only metric, else the sum of the other eval metrics."""
-    metrics = {k: v for k, v in metrics.items()
-               if not k.endswith(("_runtime", "_per_second")) and k not in ("epoch", "step")}
-    loss = metrics.pop("eval_loss", None)
-    return loss if not metrics else sum(metrics.values())
 
 
 def _metric_objective(metric: str) -> Callable:

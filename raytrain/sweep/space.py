@@ -157,6 +157,14 @@ def default_hp_space_optuna(trial) -> dict[str, Any]:
             "per_device_train_batch_size": trial.suggest_categorical("per_device_train_batch_size", [4, 8, 16, 32, 64])}
 
 
+def default_compute_objective(metrics: dict[str, float]) -> float:
+    """HF's default: eval_loss when it is the only metric, else the sum of the other eval metrics."""
+    metrics = {k: v for k, v in metrics.items()
+               if not k.endswith(("_runtime", "_per_second")) and k not in ("epoch", "step")}
+    loss = metrics.pop("eval_loss", None)
+    return loss if not metrics else sum(metrics.values())
+
+
 def function_space(hp_space) -> FunctionSpace | None:
     """hp_space as a FunctionSpace when it is HF's Optuna style (it suggests on a probe trial of a
     throw-away in-memory study); None when it suggests nothing (a function returning a space)."""

@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from raytrain import TrainerCallback
+from tests.data.ray_stages import featurize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -29,23 +30,6 @@ class Tiny(nn.Module):
     def forward(self, x, labels=None):
         logits = self.linear(x)
         return {"logits": logits, "loss": F.cross_entropy(logits, labels)}
-
-
-def featurize(batch):
-    ids = batch["id"]
-    return {"x": np.stack([ids * 1.0, -ids * 1.0], axis=1).astype(np.float32), "labels": ids % 2}
-
-
-def featurize_ids(batch):
-    """A map_batches stage: features from the id, and the pid of the process it ran in."""
-    ids_ = batch["idx"]
-    return {"idx": ids_, "x": np.stack([ids_ * 1.0, -ids_ * 1.0], axis=1).astype(np.float32),
-            "labels": ids_ % 2, "pid": np.full(len(ids_), os.getpid())}
-
-
-def featurize_range(batch):
-    """featurize_ids for ray.data.range (its column is "id")."""
-    return featurize_ids({"idx": batch["id"]})
 
 
 class Recorder(nn.Module):

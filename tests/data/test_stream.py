@@ -19,8 +19,9 @@ import torch
 from raytrain import Files, RayData, Trainer, TrainingArguments
 from raytrain.data import DataError, StreamSource, build_source
 from tests.strategies._helpers import state_digest
-from tests.data.data_helpers import IdLog, Recorder, featurize_ids as _featurize
-from tests.data.data_helpers import featurize_range as _featurize_ids
+from tests.data.data_helpers import IdLog, Recorder
+from tests.data.ray_stages import featurize_ids as _featurize
+from tests.data.ray_stages import featurize_range as _featurize_ids
 from tests.data.test_sources import columns, ids, write_parquet
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
