@@ -229,10 +229,9 @@ class _Session:
 def _fixable(error: BaseException) -> str | None:
     """The one-line message of an error the user can fix, or None for a crash (show the traceback).
     Fixable: raytrain's own error types, and the standard ones raytrain raises with a message."""
-    from .checkpoint import CheckpointError
-
-    if isinstance(error, (ConfigError, CheckpointError, FileExistsError)) or \
-            type(error).__name__ in ("NonFiniteError", "Preempted"):
+    checkpoint = sys.modules.get(f"{__package__}.checkpoint")  # not loaded: no CheckpointError (and no torch import)
+    if isinstance(error, (ConfigError, FileExistsError)) or type(error).__name__ in ("NonFiniteError", "Preempted") \
+            or (checkpoint is not None and isinstance(error, checkpoint.CheckpointError)):
         return str(error)
     if isinstance(error, (ValueError, KeyError, TypeError, FileNotFoundError)) and _raised_by_raytrain(error):
         return error.args[0] if isinstance(error, KeyError) and error.args else str(error)

@@ -102,6 +102,21 @@ def test_unknown_field_exits_2_with_suggestion(launched):
     assert not os.path.exists(base / "unknown")  # nothing was trained or written
 
 
+def test_a_bad_config_is_refused_before_torch_or_transformers_is_imported(tmp_path):
+    """The one-line refusal comes in well under a second: neither torch nor transformers (through the
+    search space's module) is imported on the way to it."""
+    probe = ("import runpy, sys\n"
+             "sys.argv = ['raytrain.run', *sys.argv[1:]]\n"
+             "try:\n    runpy.run_module('raytrain.run', run_name='__main__')\n"
+             "except SystemExit as e:\n"
+             "    print(e.code, sorted(m for m in ('torch', 'transformers', 'ray') if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", probe, *DIGITS, "--set", f"output_dir={tmp_path / 'o'}",
+                           "--set", "learnin_rate=0.1"], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+                          capture_output=True, text=True, timeout=120)
+    assert done.stderr.strip() == "error: unknown field 'learnin_rate': did you mean 'learning_rate'?"
+    assert done.stdout.split("\n")[0] == "2 []"
+
+
 def test_missing_config_file_exits_2(launched):
     base, procs = launched
     missing = str(base / "nope.yaml")
