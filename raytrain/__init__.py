@@ -6,7 +6,7 @@ before torch is even imported.
 
 from __future__ import annotations
 
-import importlib
+from .lazy import lazy_exports
 
 _EXPORTS = {
     "args": ["ConfigError", "TrainingArguments"],
@@ -22,19 +22,5 @@ _EXPORTS = {
     "seq2seq_args": ["Seq2SeqTrainingArguments"],
     "sweep": ["BestRun", "hyperparameter_search"],
 }
-_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
-
 __version__ = "0.1.0"
-__all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str):
-    if name in _WHERE:
-        value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'raytrain' has no attribute {name!r}")
-
-
-def __dir__():
-    return sorted(list(globals()) + __all__)
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())

@@ -6,20 +6,10 @@ space does not import search.py and, through BestRun, transformers."""
 
 from __future__ import annotations
 
-import importlib
+from ..lazy import lazy_exports
 
 _EXPORTS = {
     "search": ["BestRun", "hyperparameter_search"],
     "space": ["SearchSpace", "default_compute_objective", "load_search_spec", "space_from_spec"],
 }
-_WHERE = {name: module for module, names in _EXPORTS.items() for name in names}
-
-__all__ = sorted(_WHERE)
-
-
-def __getattr__(name: str):
-    if name in _WHERE:
-        value = getattr(importlib.import_module(f".{_WHERE[name]}", __name__), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__all__, __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, globals())
