@@ -25,8 +25,9 @@ from typing import Any, Callable
 
 from ..args import TrainingArguments
 from ..callbacks import TrainerCallback
-from .search import BestRun, default_compute_objective, hyperparameter_search as ray_search, user_callbacks
-from .space import FunctionSpace, SearchSpace, default_hp_space_optuna, function_space, space_from_spec
+from .search import BestRun, hyperparameter_search as ray_search, user_callbacks
+from .space import (FunctionSpace, SearchSpace, default_compute_objective, default_hp_space_optuna, function_space,
+                    space_from_spec)
 
 logger = logging.getLogger(__name__)
 
