@@ -175,7 +175,7 @@ class ElasticProbe(TrainerCallback):
             open(path + f"-rank{_rank()}", "w").close()
             if _rank() == 0:
                 open(path, "w").close()
-            time.sleep(90)  # the resize ends this group long before
+            time.sleep(240)  # the resize ends this group before (on a loaded 2-core machine it once took over 90 s)
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         module = getattr(model, "module", model)
@@ -221,7 +221,7 @@ def _resizer(out_dir, errors: list):
     def run():
         try:
             for marker, bundles in (("paused-12", [{"CPU": 1}] * 3), ("paused-20", [])):
-                if not _wait_for(out_dir / marker, 150):
+                if not _wait_for(out_dir / marker, 300):
                     errors.append(f"no {marker}")
                     return
                 request(bundles)
@@ -247,7 +247,7 @@ def _steps(out_dir) -> dict[int, dict]:
 
 
 @pytest.mark.ray
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(600)
 def test_group_shrinks_to_one_and_grows_back(ray_cluster, tmp_path):
     import cloudpickle
 
