@@ -77,13 +77,19 @@ def stop_ray_workers() -> list[int]:
     """SIGTERM this job's Ray Train workers, on every node: their handler (worker/ray_worker.py) saves a
     checkpoint at the next step boundary and stops them. Returns the pids signalled."""
     import ray
+    from ray.util import client
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     by_node = _workers_by_node()
+    signalled = [pid for pids in by_node.values() for pid in pids]
+    if not client.ray.is_connected():  # this process runs on a node of the cluster
+        # Its own node's workers directly: a task may wait seconds for a worker process to start, and
+        # a short run can end meanwhile, its Ctrl-C lost.
+        _sigterm(by_node.pop(ray.get_runtime_context().get_node_id(), []))
     kill = ray.remote(num_cpus=0)(_sigterm)
     ray.get([kill.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(pids)
              for node, pids in by_node.items()], timeout=60)
-    return [pid for pids in by_node.values() for pid in pids]
+    return signalled
 
 
 def _sigterm(pids: list[int]) -> None:
