@@ -157,6 +157,26 @@ class RayReportCallback(TrainerCallback):
         self.reported_step = -1
         self.reports_dir: bool | None = None
         self.in_flight: int | None = None  # a background distributed save's step, not reported yet
+        self.unregistered: tuple[str, int] | None = None  # (directory in Ray's storage, step): see register
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.unregistered is not None:
+            self.register(*self.unregistered)
+            self.unregistered = None
+
+    def register(self, directory: str, step: int) -> None:
+        """Hand Ray a complete checkpoint it never registered (its node was lost before the controller
+        polled), where it lies in storage (no upload): Ray's num_to_keep then rotates it with the rest,
+        instead of leaving it in storage for good. Every rank reports; rank 0 names the checkpoint."""
+        import ray.train
+        from ray.train import CheckpointUploadMode
+
+        checkpoint = None
+        if self.strategy.is_main:
+            fs = ray.train.get_context().get_storage().storage_filesystem
+            checkpoint = ray.train.Checkpoint(directory, filesystem=fs)
+        ray.train.report({"step": step, "checkpoint_step": step}, checkpoint=checkpoint,
+                         checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
 
     def on_save(self, args, state, control, **kwargs):
         if state.global_step == self.reported_step:
@@ -263,7 +283,8 @@ def train_loop_per_worker(config: dict) -> dict | None:
                                            else args.get_process_log_level())
     preemption = PreemptionCallback(strategy)
     trial = config.get("trial")  # a sweep trial's reporter (raytrain.sweep.search) reports evaluations instead
-    trainer.add_callback(trial if trial is not None else RayReportCallback(strategy))
+    reports = RayReportCallback(strategy) if trial is None else None
+    trainer.add_callback(trial if trial is not None else reports)
     if config.get("progress") is not None:  # the driver draws the progress; the workers print none of it
         for cb in progress_callbacks(trainer.callback_handler.callbacks):
             trainer.remove_callback(cb)
@@ -277,7 +298,9 @@ def train_loop_per_worker(config: dict) -> dict | None:
     _training_active.set()
     try:
         with reported.as_directory() if reported is not None else contextlib.nullcontext() as ray_path, \
-                _newest_stored(strategy, ray_path) as ray_path:
+                _newest_stored(strategy, ray_path) as (ray_path, unregistered):
+            if reports is not None:  # (a trial's reporter reports evaluations only: Ray keeps what it has)
+                reports.unregistered = unregistered
             resume = _resume_point(strategy, trainer.args.output_dir, config, ray_path)
             out = loop.train(trainer, resume, trial, locate=_checkpoint_here)
     finally:
@@ -295,10 +318,11 @@ def train_loop_per_worker(config: dict) -> dict | None:
 
 @contextlib.contextmanager
 def _newest_stored(strategy, ray_path: str | None):
-    """Ray's checkpoint, or a newer one complete in the run's storage that Ray has not registered: Ray's
-    controller registers a report when it next polls the workers (every 2 s), so a node lost just after
-    a save leaves every rank's files of that save in storage, unregistered. The run's storage holds this
-    run's checkpoints alone (its name has the driver's start time)."""
+    """(Ray's checkpoint, None), or (a newer one complete in the run's storage that Ray has not registered,
+    (its directory in storage, its step)): Ray's controller registers a report when it next polls the
+    workers (every 2 s), so a node lost just after a save leaves every rank's files of that save in
+    storage, unregistered. The run's storage holds this run's checkpoints alone (its name has the
+    driver's start time)."""
     import pyarrow.fs
     import ray.train
 
@@ -312,20 +336,20 @@ def _newest_stored(strategy, ray_path: str | None):
             registered = float("inf")
         stored = {step: d for step, (d, manifest) in _stored_checkpoints(fs, root).items()
                   if step > registered and _complete_in(fs, d, manifest["files"])}
-        newest = stored[max(stored)] if stored else None
+        newest = (stored[max(stored)], max(stored)) if stored else None
     newest = strategy.all_gather_object(newest)[0]
     if newest is None:
-        yield ray_path
+        yield ray_path, None
         return
-    logger.warning("%s in Ray's storage is newer than the checkpoint Ray registered; resuming from it", newest)
+    logger.warning("%s in Ray's storage is newer than the checkpoint Ray registered; resuming from it", newest[0])
     if isinstance(fs, pyarrow.fs.LocalFileSystem):
-        yield newest
+        yield newest[0], newest
         return
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="raytrain-checkpoint-") as local:
-        pyarrow.fs.copy_files(newest, local, source_filesystem=fs)
-        yield local
+        pyarrow.fs.copy_files(newest[0], local, source_filesystem=fs)
+        yield local, newest
 
 
 def _complete_in(fs, directory: str, files: dict) -> bool:

@@ -49,11 +49,11 @@ class Recorder(nn.Module):
 
 
 class IdLog(TrainerCallback):
-    """Each rank appends (attempt start, step, ids) to ids-rank{R}.jsonl; at `pause_at` (first attempt only)
-    it writes its pid and waits to be killed from outside."""
+    """Each rank appends (attempt start, step, ids) to ids-rank{R}.jsonl; rank 1, once step `pause_after`
+    and its save are done (first attempt only), writes its pid and waits to be killed from outside."""
 
-    def __init__(self, pause_at: int | None = None):
-        self.pause_at, self.start = pause_at, 0
+    def __init__(self, pause_after: int | None = None):
+        self.pause_after, self.start = pause_after, 0
 
     def _path(self, args, name):
         return os.path.join(args.output_dir, f"{name}-rank{os.environ.get('RANK', '0')}")
@@ -65,7 +65,9 @@ class IdLog(TrainerCallback):
         module = getattr(model, "module", model)
         with open(self._path(args, "ids") + ".jsonl", "a") as f:
             f.write(json.dumps({"start": self.start, "step": state.global_step, "ids": module.seen[-1]}) + "\n")
-        if state.global_step == self.pause_at and os.environ.get("RANK") == "1" and self.start == 0:
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        if state.global_step == self.pause_after and os.environ.get("RANK") == "1" and self.start == 0:
             with open(self._path(args, "pid"), "w") as f:
                 f.write(str(os.getpid()))
             time.sleep(300)  # killed from outside long before this ends

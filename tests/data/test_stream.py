@@ -410,10 +410,14 @@ def _consumed(out_dir, rank: int) -> dict[int, list[int]]:
 @pytest.mark.timeout(600)
 def test_a_worker_sigkilled_mid_epoch_resumes_bit_exact_with_exact_passes(ray_cluster, tmp_path):
     """2 workers on a ray Dataset (90 ids, 2 x 4 per step: 12 steps per epoch, 30 steps): rank 1 is
-    SIGKILLed from this process at step 17; Ray restarts the group from checkpoint-15."""
-    def args(out, **kw):
+    SIGKILLed from this process as step 16 begins, just after checkpoint-15 was handed to Ray (whose
+    controller registers it when it next polls, every 2 s: most likely never); the group restarts from
+    checkpoint-15, which raytrain registers with Ray where it lies in storage, so that Ray's num_to_keep
+    (save_total_limit=1) leaves checkpoint-30 alone there at the end."""
+    def args(out, limit=None, **kw):
         return TrainingArguments(output_dir=str(out), max_steps=30, per_device_train_batch_size=4, learning_rate=0.1,
                                  save_steps=5, logging_steps=5, seed=0, disable_tqdm=True, report_to="none",
+                                 save_total_limit=limit,
                                  scaling={"num_workers": 2, "storage_path": str(tmp_path / "ray"), **kw},
                                  distributed={"strategy": "ddp"})
     # streamed beside training (4 CPUs, 2 workers); no count (map_batches): max_steps bounds training and
@@ -446,10 +450,12 @@ def test_a_worker_sigkilled_mid_epoch_resumes_bit_exact_with_exact_passes(ray_cl
             killed.append(pid)
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()
-    trainer = Trainer(Recorder(), args(out, max_failures=1), train_dataset=data, callbacks=[IdLog(pause_at=17)])
+    trainer = Trainer(Recorder(), args(out, 1, max_failures=1), train_dataset=data, callbacks=[IdLog(pause_after=15)])
     result = trainer.train()
     thread.join(timeout=5)
     assert killed and result.global_step == 30
+    stored = [json.load(open(m))["global_step"] for m in (tmp_path / "ray").glob("killed-*/*/manifest.json")]
+    assert stored == [30]
     assert state_digest(trainer.model.state_dict()) == state_digest(reference.model.state_dict())
     for run in (tmp_path / "ref", out):
         per_rank = [_consumed(run, r) for r in (0, 1)]

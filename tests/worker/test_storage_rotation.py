@@ -79,9 +79,9 @@ def test_a_restart_takes_a_newer_complete_checkpoint_that_ray_never_registered(t
     storage = types.SimpleNamespace(storage_filesystem=pyarrow.fs.LocalFileSystem(), experiment_fs_path=str(tmp_path))
     monkeypatch.setattr(ray.train, "get_context", lambda: types.SimpleNamespace(get_storage=lambda: storage))
     rank0 = types.SimpleNamespace(is_main=True, all_gather_object=lambda obj: [obj])
-    with _newest_stored(rank0, str(registered)) as path:
-        assert path == str(newer)
-    with _newest_stored(rank0, str(newer)) as path:  # Ray's is the newest complete one: kept
-        assert path == str(newer)
-    with _newest_stored(rank0, None) as path:  # nothing registered at all
-        assert path == str(newer)
+    with _newest_stored(rank0, str(registered)) as (path, unregistered):
+        assert path == str(newer) and unregistered == (str(newer), 10)  # for Ray to register (test_stream.py)
+    with _newest_stored(rank0, str(newer)) as (path, unregistered):  # Ray's is the newest complete one: kept
+        assert path == str(newer) and unregistered is None
+    with _newest_stored(rank0, None) as (path, unregistered):  # nothing registered at all
+        assert path == str(newer) and unregistered == (str(newer), 10)
