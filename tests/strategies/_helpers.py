@@ -10,6 +10,7 @@ import hashlib
 import json
 import os
 import signal
+import sys
 
 import torch
 
@@ -115,6 +116,11 @@ def run_backends(config: dict) -> dict:
             continue
         results[run["name"]] = {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
                                 "global_step": out.global_step}
+        if "deepspeed" in sys.modules:  # its communication backend, once a ZeRO run started it
+            from deepspeed.comm import comm as ds_comm
+
+            if ds_comm.cdb is not None:
+                results[run["name"]]["shm_kernel"] = getattr(ds_comm.cdb, "shm_comm_op", None) is not None
     return results if int(os.environ.get("RANK", 0)) == 0 else None
 
 
