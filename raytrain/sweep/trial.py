@@ -165,6 +165,39 @@ class _WorkerReporter(_Reporter):
 
         return _rebuild_reporter, (driver_sys_path(), cloudpickle.dumps((type(self), self.__dict__)))
 
+    unregistered: tuple[str, int] | None = None  # (directory in Ray's storage, step): see register
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        super().on_train_begin(args, state, control, **kwargs)
+        if self.unregistered is not None:
+            self.register(args, *self.unregistered)
+            self.unregistered = None
+
+    def register(self, args, directory: str, step: int) -> None:
+        """A URI sweep's evaluation checkpoint that reached the trial's storage but that Ray never
+        registered (the node was lost before its controller polled): reported again where it lies (no
+        upload), with its evaluation read back from its trainer_state.json, so that Tune gets the result
+        it missed and Ray rotates the checkpoint by its objective (which Ray's CheckpointConfig needs)."""
+        import ray.train
+        from ray.train import CheckpointUploadMode
+
+        from ..checkpoint import TRAINER_STATE, checkpoint_dir
+
+        fs = ray.train.get_context().get_storage().storage_filesystem
+        with fs.open_input_stream(f"{directory}/{TRAINER_STATE}") as f:
+            history = json.loads(f.read())["log_history"]
+        metrics: dict = {}
+        for entry in history:
+            if entry.get("step") == step and any(key.startswith("eval_") for key in entry):
+                metrics.update((key, value) for key, value in entry.items() if key != "step")
+        if not metrics:  # (every ray_train checkpoint of a trial is an evaluation's; this one is not raytrain's)
+            logger.warning("%s holds no evaluation at step %d: left unregistered", directory, step)
+            return
+        first = ray.train.get_context().get_world_rank() == 0
+        ray.train.report(self.result(metrics, step, checkpoint_dir(args.output_dir, step)),
+                         checkpoint=ray.train.Checkpoint(directory, filesystem=fs) if first else None,
+                         checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+
     def report(self, metrics: dict, step: int, checkpoint_dir: str | None = None) -> None:
         import ray.train
 

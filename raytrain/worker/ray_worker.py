@@ -299,8 +299,8 @@ def train_loop_per_worker(config: dict) -> dict | None:
     try:
         with reported.as_directory() if reported is not None else contextlib.nullcontext() as ray_path, \
                 _newest_stored(strategy, ray_path) as (ray_path, unregistered):
-            if reports is not None:  # (a trial's reporter reports evaluations only: Ray keeps what it has)
-                reports.unregistered = unregistered
+            # For Ray to register (a trial's reporter with the evaluation, for its objective): see register
+            (reports if reports is not None else trial).unregistered = unregistered
             resume = _resume_point(strategy, trainer.args.output_dir, config, ray_path)
             out = loop.train(trainer, resume, trial, locate=_checkpoint_here)
     finally:
