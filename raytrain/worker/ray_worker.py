@@ -30,7 +30,7 @@ from ..callbacks.progress import ProgressFeeder, plain_logs, progress_callbacks
 from .. import checkpoint as ckpt
 from ..checkpoint import checkpoint_dir
 from ..checkpoint_io import disk_leaders
-from .resume import complete_here, restart_point
+from .resume import complete_here, complete_in, restart_point
 
 if TYPE_CHECKING:
     from .protocol import TrainerProtocol
@@ -335,7 +335,7 @@ def _newest_stored(strategy, ray_path: str | None):
         except ckpt.CheckpointError:  # not raytrain's (resume.restart_point says so)
             registered = float("inf")
         stored = {step: d for step, (d, manifest) in _stored_checkpoints(fs, root).items()
-                  if step > registered and _complete_in(fs, d, manifest["files"])}
+                  if step > registered and complete_in(d, manifest["files"], fs)}
         newest = (stored[max(stored)], max(stored)) if stored else None
     newest = strategy.all_gather_object(newest)[0]
     if newest is None:
@@ -350,15 +350,6 @@ def _newest_stored(strategy, ray_path: str | None):
     with tempfile.TemporaryDirectory(prefix="raytrain-checkpoint-") as local:
         pyarrow.fs.copy_files(newest[0], local, source_filesystem=fs)
         yield local, newest
-
-
-def _complete_in(fs, directory: str, files: dict) -> bool:
-    """Every file of a manifest uploaded to `directory`, with its size."""
-    import pyarrow.fs
-
-    infos = fs.get_file_info([f"{directory}/{rel}" for rel in files])
-    return all(i.type == pyarrow.fs.FileType.File and i.size == meta.get("size")
-               for i, meta in zip(infos, files.values()))
 
 
 def _resume_point(strategy, output_dir: str, config: dict, ray_path: str | None):

@@ -204,14 +204,25 @@ def restart_point(output_dir: str, run_id: str, reported: str | None, all_gather
 
 
 def complete_here(path: str) -> bool:
-    """Every file of the manifest present here with its size (rank 0 checksummed them; each rank
-    checks the checksums again when it resumes)."""
+    """A checkpoint on this disk whose manifest's files are all present (see complete_in)."""
     try:
         files = ckpt.read_manifest(path)["files"]
     except ckpt.CheckpointError:
         return False
-    return all(os.path.isfile(p := os.path.join(path, rel)) and os.path.getsize(p) == meta.get("size")
-               for rel, meta in files.items())
+    return complete_in(path, files)
+
+
+def complete_in(directory: str, files: dict, fs=None) -> bool:
+    """Every file of a manifest in `directory` with its size, on this disk or on a pyarrow filesystem
+    (Ray's storage). Rank 0 checksummed them; each rank checks the checksums again when it resumes."""
+    paths = [f"{directory}/{rel}" for rel in files]
+    if fs is None:
+        sizes = [os.path.getsize(p) if os.path.isfile(p) else None for p in paths]
+    else:
+        import pyarrow.fs
+
+        sizes = [i.size if i.type == pyarrow.fs.FileType.File else None for i in fs.get_file_info(paths)]
+    return all(size == meta.get("size") for size, meta in zip(sizes, files.values()))
 
 
 def _read_marker(path: str) -> str | None:
