@@ -18,10 +18,12 @@ import pytest
 from raytrain import checkpoint as ckpt
 from tests.driver.cluster import SimCluster
 
-# Opt-in: the simulated cluster and its runs take several minutes, beyond the default suite's budget.
-pytestmark = [pytest.mark.ray, pytest.mark.skipif(os.geteuid() != 0, reason="mount namespaces need root"),
-              pytest.mark.skipif(not os.environ.get("RAYTRAIN_MULTINODE_TESTS"),
-                                 reason="simulated multi-node cluster (minutes): set RAYTRAIN_MULTINODE_TESTS=1")]
+# One cluster for the module (one xdist worker). By default the refusal and the loss of rank 1's node run
+# (about 80 s with the cluster's start); the other runs take minutes more, beyond the suite's budget: opt-in.
+pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("spot"),
+              pytest.mark.skipif(os.geteuid() != 0, reason="mount namespaces need root")]
+MORE = pytest.mark.skipif(not os.environ.get("RAYTRAIN_MULTINODE_TESTS"),
+                          reason="a longer simulated multi-node run (minutes): set RAYTRAIN_MULTINODE_TESTS=1")
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +108,7 @@ def test_several_nodes_without_storage_path_are_refused_before_any_work(cluster)
     assert "2 nodes" in error and not os.path.exists(out_dir)  # refused before any work
 
 
+@MORE
 @pytest.mark.timeout(900)
 def test_node_local_output_dir_trains_as_on_a_shared_disk(cluster, reference):
     """Rank 1 writes into a temporary directory on its own node (old code: FileNotFoundError at the
@@ -121,7 +124,7 @@ def test_node_local_output_dir_trains_as_on_a_shared_disk(cluster, reference):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("rank, replacement", [(1, "c"), (0, "h")])
+@pytest.mark.parametrize("rank, replacement", [(1, "c"), pytest.param(0, "h", marks=MORE)])
 def test_losing_a_ranks_node_resumes_from_storage_bit_exact(cluster, reference, rank, replacement):
     """DDP: the node of `rank` (and its disk) is lost after step 12; a new node with an empty disk joins;
     the restarted group (max_failures) resumes from Ray's checkpoint-10, which holds rank 1's files too
@@ -144,6 +147,7 @@ def fsdp_reference(cluster):
                 os.path.join(cluster.storage, "fsdp-ref"), strategy="fsdp")
 
 
+@MORE
 @pytest.mark.timeout(1200)
 def test_fsdp_losing_rank_0s_node_resumes_from_storage(cluster, reference, fsdp_reference):
     """FSDP2: each rank's optimizer shard (dcp/) is on its own node; rank 0's node is lost after step
@@ -163,6 +167,7 @@ def test_fsdp_losing_rank_0s_node_resumes_from_storage(cluster, reference, fsdp_
     assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= shards
 
 
+@MORE
 @pytest.mark.timeout(1200)
 def test_fsdp_losing_rank_1s_node_during_a_background_save(cluster, fsdp_reference):
     """FSDP2 with save_async: each rank's optimizer shard is staged at the step and written by DCP in the
@@ -178,6 +183,7 @@ def test_fsdp_losing_rank_1s_node_during_a_background_save(cluster, fsdp_referen
     _every_rank_in_storage(storage)
 
 
+@MORE
 @pytest.mark.timeout(900)
 def test_losing_rank_1s_node_during_a_save_resumes_from_the_last_complete_checkpoint(cluster, reference):
     """Checkpoints written in the background (save_async): rank 1's node is lost while checkpoint-15 is
@@ -205,6 +211,7 @@ def zero3_reference(cluster):
                 os.path.join(cluster.storage, "zero3-ref"), distributed=ZERO3, best=True)
 
 
+@MORE
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("save_async", [False, True], ids=["synchronous", "background"])
 def test_zero3_losing_rank_0s_node_during_a_save_ends_with_the_best_model(cluster, zero3_reference, save_async):
@@ -229,6 +236,7 @@ def test_zero3_losing_rank_0s_node_during_a_save_ends_with_the_best_model(cluste
     assert sorted(stored.values()) == [5, 20], stored
 
 
+@MORE
 @pytest.mark.timeout(1200)
 def test_elastic_group_shrinks_when_a_node_is_lost_and_grows_when_one_joins(cluster, reference):
     """scaling.num_workers [1, 2]: rank 1's node is lost after step 12 with no replacement; the group
