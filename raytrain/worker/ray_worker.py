@@ -208,12 +208,38 @@ class RayReportCallback(TrainerCallback):
         metrics = {**plain_logs(last), "step": state.global_step}
         if step is not None:
             metrics["checkpoint_step"] = step
-        ray.train.report(metrics, checkpoint=checkpoint)
+        ray.train.report(metrics, checkpoint=checkpoint, checkpoint_upload_fn=upload_checkpoint)
         if checkpoint is not None and self.strategy.is_main and keeps_best(args):
             storage = ray.train.get_context().get_storage()
             best = state.best_model_checkpoint
             keep = {_step_of(best)} if best else set()
             prune_storage(storage.storage_filesystem, storage.experiment_fs_path, args.save_total_limit, keep | {step})
+
+
+def upload_checkpoint(checkpoint, name: str):
+    """Ray's upload of a reported checkpoint (report's checkpoint_upload_fn): into storage on the same
+    filesystem (one machine, or one NFS mount), every file is hard-linked, not copied. A checkpoint's
+    files never change once it is renamed into place (rotation and archiving unlink or move them), so
+    storage holds the same bytes, written once. Elsewhere (S3, another disk) Ray copies them."""
+    import pyarrow.fs
+    import ray.train
+
+    storage = ray.train.get_context().get_storage()
+    if isinstance(storage.storage_filesystem, pyarrow.fs.LocalFileSystem) and \
+            isinstance(checkpoint.filesystem, pyarrow.fs.LocalFileSystem):
+        dest = f"{storage.experiment_fs_path}/{name}"
+        try:
+            for root, _, files in os.walk(checkpoint.path):
+                into = os.path.join(dest, os.path.relpath(root, checkpoint.path))
+                os.makedirs(into, exist_ok=True)
+                for f in files:
+                    if os.path.lexists(target := os.path.join(into, f)):
+                        os.unlink(target)  # Ray merges the ranks' directories; the last report wins, as a copy's
+                    os.link(os.path.join(root, f), target)
+            return ray.train.Checkpoint(dest, filesystem=storage.storage_filesystem)
+        except OSError as e:  # another device (EXDEV), or a filesystem without hard links
+            logger.debug("checkpoint %s copied to storage, not linked: %s", checkpoint.path, e)
+    return storage.persist_current_checkpoint(checkpoint, name)
 
 
 def keeps_best(args) -> bool:

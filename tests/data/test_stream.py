@@ -456,6 +456,9 @@ def test_a_worker_sigkilled_mid_epoch_resumes_bit_exact_with_exact_passes(ray_cl
     assert killed and result.global_step == 30
     stored = [json.load(open(m))["global_step"] for m in (tmp_path / "ray").glob("killed-*/*/manifest.json")]
     assert stored == [30]
+    # on this one disk Ray's copy is the output_dir's files, hard-linked (written once)
+    (manifest,) = (tmp_path / "ray").glob("killed-*/*/manifest.json")
+    assert os.stat(manifest.parent / "model.safetensors").st_ino == os.stat(out / "checkpoint-30" / "model.safetensors").st_ino
     assert state_digest(trainer.model.state_dict()) == state_digest(reference.model.state_dict())
     for run in (tmp_path / "ref", out):
         per_rank = [_consumed(run, r) for r in (0, 1)]
