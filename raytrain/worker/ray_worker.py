@@ -229,17 +229,26 @@ def upload_checkpoint(checkpoint, name: str):
             isinstance(checkpoint.filesystem, pyarrow.fs.LocalFileSystem):
         dest = f"{storage.experiment_fs_path}/{name}"
         try:
-            for root, _, files in os.walk(checkpoint.path):
-                into = os.path.join(dest, os.path.relpath(root, checkpoint.path))
-                os.makedirs(into, exist_ok=True)
-                for f in files:
-                    if os.path.lexists(target := os.path.join(into, f)):
-                        os.unlink(target)  # Ray merges the ranks' directories; the last report wins, as a copy's
-                    os.link(os.path.join(root, f), target)
+            _link_tree(checkpoint.path, dest)
             return ray.train.Checkpoint(dest, filesystem=storage.storage_filesystem)
         except OSError as e:  # another device (EXDEV), or a filesystem without hard links
             logger.debug("checkpoint %s copied to storage, not linked: %s", checkpoint.path, e)
+            # A copy over a file linked there would write into that checkpoint's own file: unlink first.
+            _link_tree(checkpoint.path, dest, link=False)
     return storage.persist_current_checkpoint(checkpoint, name)
+
+
+def _link_tree(src: str, dest: str, link: bool = True) -> None:
+    """Hard-link every file of `src` into `dest` (replacing a file of the same name: Ray merges the ranks'
+    directories, the last report winning, as a copy's would); with link=False only unlink those names."""
+    for root, _, files in os.walk(src):
+        into = os.path.join(dest, os.path.relpath(root, src))
+        os.makedirs(into, exist_ok=True)
+        for f in files:
+            if os.path.lexists(target := os.path.join(into, f)):
+                os.unlink(target)
+            if link:
+                os.link(os.path.join(root, f), target)
 
 
 def keeps_best(args) -> bool:

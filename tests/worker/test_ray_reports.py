@@ -60,8 +60,17 @@ def test_a_checkpoint_reaches_storage_on_its_own_filesystem_as_hard_links(tmp_pa
     assert os.stat(stored / "model.safetensors").st_ino == os.stat(ranks[0] / "model.safetensors").st_ino
     assert copies == []
 
-    def cross_device(src, dst):
-        raise OSError(errno.EXDEV, "Invalid cross-device link")
-    monkeypatch.setattr(os, "link", cross_device)
+    # A file that cannot be linked: Ray copies the directory, after the names already linked there are
+    # unlinked (a copy over a link would write into the checkpoint's own file).
+    real_link = os.link
+
+    def link_then_fail(src, dst):
+        if src.endswith(".distcp"):  # in dcp/, walked after the files beside it are linked
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        real_link(src, dst)
+    monkeypatch.setattr(os, "link", link_then_fail)
+    storage.persist_current_checkpoint = lambda c, name: copies.append(
+        (c.path, name, sorted(p.name for p in (tmp_path / "storage" / "run" / name).rglob("*") if p.is_file()))) or "copied"
     assert upload_checkpoint(ray.train.Checkpoint.from_directory(str(ranks[0])), "checkpoint_y") == "copied"
-    assert copies == [(str(ranks[0]), "checkpoint_y")]
+    assert copies == [(str(ranks[0]), "checkpoint_y", [])]
+    assert (ranks[0] / "model.safetensors").read_bytes() == b"w" * 64
