@@ -24,7 +24,7 @@ from typing import Any, Callable
 from ..args import TrainingArguments, apply_overrides
 from ..callbacks import TrainerCallback
 from ..driver.torch_trainer import build_torch_trainer, fit
-from ..worker.ray_worker import pickle_trainer
+from ..worker.ray_worker import pickle_trainer, report_in_place
 from .continued import first_start_since_restore, unreported
 
 logger = logging.getLogger(__name__)
@@ -179,7 +179,6 @@ class _WorkerReporter(_Reporter):
         upload), with its evaluation read back from its trainer_state.json, so that Tune gets the result
         it missed and Ray rotates the checkpoint by its objective (which Ray's CheckpointConfig needs)."""
         import ray.train
-        from ray.train import CheckpointUploadMode
 
         from ..checkpoint import TRAINER_STATE, checkpoint_dir
 
@@ -193,10 +192,8 @@ class _WorkerReporter(_Reporter):
         if not metrics:  # (every ray_train checkpoint of a trial is an evaluation's; this one is not raytrain's)
             logger.warning("%s holds no evaluation at step %d: left unregistered", directory, step)
             return
-        first = ray.train.get_context().get_world_rank() == 0
-        ray.train.report(self.result(metrics, step, checkpoint_dir(args.output_dir, step)),
-                         checkpoint=ray.train.Checkpoint(directory, filesystem=fs) if first else None,
-                         checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+        report_in_place(self.result(metrics, step, checkpoint_dir(args.output_dir, step)), directory,
+                        ray.train.get_context().get_world_rank() == 0)
 
     def report(self, metrics: dict, step: int, checkpoint_dir: str | None = None) -> None:
         import ray.train

@@ -167,16 +167,8 @@ class RayReportCallback(TrainerCallback):
     def register(self, directory: str, step: int) -> None:
         """Hand Ray a complete checkpoint it never registered (its node was lost before the controller
         polled), where it lies in storage (no upload): Ray's num_to_keep then rotates it with the rest,
-        instead of leaving it in storage for good. Every rank reports; rank 0 names the checkpoint."""
-        import ray.train
-        from ray.train import CheckpointUploadMode
-
-        checkpoint = None
-        if self.strategy.is_main:
-            fs = ray.train.get_context().get_storage().storage_filesystem
-            checkpoint = ray.train.Checkpoint(directory, filesystem=fs)
-        ray.train.report({"step": step, "checkpoint_step": step}, checkpoint=checkpoint,
-                         checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
+        instead of leaving it in storage for good."""
+        report_in_place({"step": step, "checkpoint_step": step}, directory, self.strategy.is_main)
 
     def on_save(self, args, state, control, **kwargs):
         if state.global_step == self.reported_step:
@@ -214,6 +206,19 @@ class RayReportCallback(TrainerCallback):
             best = state.best_model_checkpoint
             keep = {_step_of(best)} if best else set()
             prune_storage(storage.storage_filesystem, storage.experiment_fs_path, args.save_total_limit, keep | {step})
+
+
+def report_in_place(metrics: dict, directory: str, names_it: bool) -> None:
+    """ray.train.report of a checkpoint already in the run's storage, where it lies (no upload). Every
+    rank reports (Ray needs as many reports from each); the one with `names_it` names the checkpoint."""
+    import ray.train
+    from ray.train import CheckpointUploadMode
+
+    checkpoint = None
+    if names_it:
+        fs = ray.train.get_context().get_storage().storage_filesystem
+        checkpoint = ray.train.Checkpoint(directory, filesystem=fs)
+    ray.train.report(metrics, checkpoint=checkpoint, checkpoint_upload_mode=CheckpointUploadMode.NO_UPLOAD)
 
 
 def upload_checkpoint(checkpoint, name: str):
