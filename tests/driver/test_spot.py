@@ -19,7 +19,7 @@ from raytrain import checkpoint as ckpt
 from tests.driver.cluster import SimCluster
 
 # One cluster for the module (one xdist worker). By default the refusal and the loss of rank 1's node run
-# (about 80 s with the cluster's start); the other runs take minutes more, beyond the suite's budget: opt-in.
+# (about 105 s in the suite, the cluster's start included); the other runs take minutes more: opt-in.
 pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("spot"),
               pytest.mark.skipif(os.geteuid() != 0, reason="mount namespaces need root")]
 MORE = pytest.mark.skipif(not os.environ.get("RAYTRAIN_MULTINODE_TESTS"),
