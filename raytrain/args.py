@@ -151,6 +151,9 @@ class TrainingArguments(HFArgumentMethods):
     max_nonfinite_steps: Annotated[int | None, Field(ge=1)] = _f(
         None, "stop after this many consecutive steps skipped for non-finite gradients; unset: log and continue")
     save_only_model: bool = _f(False, "checkpoint only the model (cannot resume training)")
+    save_merged_model: bool = _f(
+        False, "a PEFT (LoRA) model: save_model also writes the adapter merged into the base model "
+               "(merge_and_unload) in merged/ beside the adapter, a full model from_pretrained loads")
     ignore_data_skip: bool = _f(
         False, "on resume, restart the saved epoch from its first batch instead of continuing mid-epoch")
 

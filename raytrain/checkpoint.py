@@ -37,6 +37,7 @@ PREFIX = "checkpoint"
 MANIFEST = "manifest.json"
 WEIGHTS = "model.safetensors"
 WEIGHTS_INDEX = "model.safetensors.index.json"
+ADAPTER_WEIGHTS, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"  # a PEFT model's, by PEFT
 TRAINER_STATE = "trainer_state.json"
 MAX_SHARD_BYTES = 50 * 10**9  # save_pretrained's default max_shard_size ("50GB"), which Trainer._save uses
 PRETRAINED_CONFIGS = ("config.json", "generation_config.json")  # save_pretrained rewrites them with the weights
@@ -115,7 +116,10 @@ def load_weights(directory: str, manifest: dict | None = None) -> dict[str, torc
     single = os.path.join(directory, WEIGHTS)
     index_path = os.path.join(directory, WEIGHTS_INDEX)
     entries = (manifest or {}).get("files", {})
-    if os.path.exists(single) and (manifest is None or WEIGHTS in entries or WEIGHTS_INDEX not in entries):
+    adapter = os.path.join(directory, ADAPTER_WEIGHTS)
+    if ADAPTER_WEIGHTS in entries or (manifest is None and os.path.exists(adapter) and not os.path.exists(single)):
+        files = [adapter]  # a PEFT model's checkpoint: the adapter alone (adapters.load_weights)
+    elif os.path.exists(single) and (manifest is None or WEIGHTS in entries or WEIGHTS_INDEX not in entries):
         files = [single]
     elif os.path.exists(index_path):
         try:
@@ -367,7 +371,7 @@ def _remove_stale_temporaries(output_dir: str) -> None:
 
 
 def is_weights_file(rel: str) -> bool:
-    return rel in (WEIGHTS, WEIGHTS_INDEX) or bool(re.fullmatch(r"model-\d+-of-\d+\.safetensors", rel))
+    return rel in (WEIGHTS, WEIGHTS_INDEX, ADAPTER_WEIGHTS) or bool(re.fullmatch(r"model-\d+-of-\d+\.safetensors", rel))
 
 
 def read_manifest(path: str) -> dict:
@@ -403,7 +407,8 @@ def verify_checkpoint(path: str, ignore_weights: bool = False, weights_on_load: 
     manifest = read_manifest(path)
     files, mpath = manifest["files"], os.path.join(path, MANIFEST)
     skipped = lambda rel: ignore_weights and (is_weights_file(rel) or rel in PRETRAINED_CONFIGS)  # noqa: E731
-    for required in (WEIGHTS if WEIGHTS_INDEX not in files else WEIGHTS_INDEX, TRAINER_STATE):
+    weights = next((n for n in (WEIGHTS_INDEX, ADAPTER_WEIGHTS) if n in files), WEIGHTS)
+    for required in (weights, TRAINER_STATE):
         if required not in files and not skipped(required):
             raise CheckpointError(f"{os.path.join(path, required)}: missing (not in the manifest)")
     checks = []

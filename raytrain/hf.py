@@ -38,6 +38,11 @@ def is_pretrained_model(model: Any) -> bool:
     return _from(model, "transformers") and hasattr(model, "config") and hasattr(model, "save_pretrained")
 
 
+def is_peft_model(model: Any) -> bool:
+    """A peft PeftModel (LoRA and the other adapters): its checkpoints hold the adapter alone."""
+    return _from(model, "peft") and hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
 def is_tokenizer_like(processing_class: Any) -> bool:
     """A tokenizer or feature extractor, for which HF's default collator pads."""
     if processing_class is None or not _from(processing_class, "transformers"):
@@ -152,7 +157,10 @@ def save_pretrained_files(model: Any, processing_class: Any, args: Any, director
     """What from_pretrained needs beside the weights: config.json (+ generation_config.json), the
     processing class's files and training_args.bin. Returns the file names written."""
     before = set(os.listdir(directory)) if os.path.isdir(directory) else set()
-    if is_pretrained_model(model):
+    from .strategies.base import unwrap_model
+
+    model = unwrap_model(model)  # a compiled model's config is its module's
+    if is_pretrained_model(model) and not is_peft_model(model):  # a PEFT model's config is the base's
         model.config.save_pretrained(directory)
         generation = getattr(model, "generation_config", None)
         if generation is not None and getattr(model, "can_generate", lambda: False)():

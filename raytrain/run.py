@@ -381,6 +381,8 @@ def _resumed_step(output_dir: str, resume) -> int | None:
 
 def _finish(trainer, out, report: bool, run: _TrackedRun) -> dict:
     """After training: the final evaluation, model, trainer_state.json, plots and MLflow artifacts."""
+    from .checkpoint import ADAPTER_WEIGHTS, WEIGHTS, WEIGHTS_INDEX
+
     args = trainer.args
     summary = {"global_step": out.global_step, "train_loss": out.training_loss,
                "train_runtime": out.metrics.get("train_runtime")}
@@ -388,7 +390,8 @@ def _finish(trainer, out, report: bool, run: _TrackedRun) -> dict:
         summary.update(trainer.evaluate())
     final = trainer.save_model(os.path.join(args.output_dir, "final"))
     trainer.state.save_to_json(os.path.join(args.output_dir, "trainer_state.json"))
-    summary["model"] = os.path.join(final, "model.safetensors")
+    summary["model"] = next((p for p in (os.path.join(final, n) for n in (WEIGHTS, ADAPTER_WEIGHTS, WEIGHTS_INDEX))
+                             if os.path.exists(p)), final)
     if trainer.state.best_model_checkpoint:
         summary["best_model_checkpoint"] = trainer.state.best_model_checkpoint
     if report:

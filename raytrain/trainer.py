@@ -9,12 +9,11 @@ from typing import Any, Callable
 
 import torch
 
-from . import hf
+from . import adapters, hf
 from .worker import loop
 from .args import TrainingArguments
 from .callbacks import CallbackHandler, DefaultFlowCallback, PrinterCallback, ProgressCallback
 from .callbacks.trackers import integration_callbacks
-from .checkpoint import save_weights
 from .data.columns import count_items, is_named_datasets
 from .hf_skeleton import ExampleScriptMethods
 from .metrics import MemoryTracker
@@ -155,18 +154,15 @@ class Trainer(ExampleScriptMethods):
         return evaluation_loop(self, dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix)
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> str:
-        """Write the full weights as model.safetensors (rank 0) plus training_args.json; for a transformers
-        model also config.json, the processing class's files and training_args.bin (from_pretrained works)."""
+        """Write the model (rank 0) as from_pretrained loads it: model.safetensors, and for a transformers
+        model config.json; a PEFT model's adapter as PEFT writes it (save_merged_model: also merged/);
+        the processing class's files, training_args.json and .bin."""
         output_dir = output_dir or self.args.output_dir
         strategy = self.get_strategy()
         state = strategy.model_state_dict() if strategy.model is not None else \
-            {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+            {k: v.detach().cpu() for k, v in unwrap_model(self.model).state_dict().items()}
         if strategy.is_main:
-            os.makedirs(output_dir, exist_ok=True)
-            save_weights(state, output_dir)
-            with open(os.path.join(output_dir, "training_args.json"), "w") as f:
-                f.write(self.args.to_json_string())
-            hf.save_pretrained_files(self.model, self.processing_class, self.args, output_dir)
+            adapters.save_model_dir(self.model, state, self.processing_class, self.args, output_dir)
         strategy.barrier()
         return output_dir
 

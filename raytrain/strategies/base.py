@@ -127,8 +127,9 @@ class Strategy:
         calls it; only rank 0 gets the dict unless `all_ranks` (the others get None)."""
         return {k: v.detach().cpu() for k, v in self.unwrap(self.model).state_dict().items()}
 
-    def load_model_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        self.unwrap(self.model).load_state_dict(state)
+    def load_model_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+        """Full weights by name; strict=False: some of them (a PEFT adapter over a frozen base)."""
+        self.unwrap(self.model).load_state_dict(state, strict=strict)
 
     def optimizer_state_dict(self) -> dict | None:
         """What goes in optimizer.pt (rank 0); None when the backend saves it sharded instead."""

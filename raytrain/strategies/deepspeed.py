@@ -115,13 +115,13 @@ class DeepSpeedStrategy(TorchDistributedMixin, Strategy):
                 out[name] = value.detach().cpu()
         return out if (self.is_main or all_ranks) else None
 
-    def load_model_state_dict(self, state):
+    def load_model_state_dict(self, state, strict: bool = True):
         """Weights into the fp32 master partitions and the (gathered) low-precision parameters."""
         import deepspeed
         from deepspeed.utils import safe_set_full_fp32_param
 
         module = self.unwrap(self.engine)
-        params = dict(module.named_parameters())
+        params = {k: v for k, v in module.named_parameters() if strict or k in state}
         missing = sorted(set(params) - set(state))
         if missing:
             raise KeyError(f"weights missing for {missing[:5]}")

@@ -152,8 +152,9 @@ class FSDPStrategy(TorchDistributedMixin, Strategy):
             return None
         return {k: v.detach().cpu() for k, v in state.items()}
 
-    def load_model_state_dict(self, state):
-        set_model_state_dict(self.unwrap(self.model), state, options=StateDictOptions(full_state_dict=True))
+    def load_model_state_dict(self, state, strict: bool = True):
+        set_model_state_dict(self.unwrap(self.model), state,
+                             options=StateDictOptions(full_state_dict=True, strict=strict))
 
     def optimizer_state_dict(self):
         return None  # saved sharded, by save_sharded

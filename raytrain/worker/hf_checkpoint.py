@@ -49,6 +49,9 @@ def weight_set(path: str) -> tuple[list[str], bool]:
     join = os.path.join
     if os.path.isfile(join(path, ckpt.WEIGHTS)):
         return [ckpt.WEIGHTS], "aliases" in _header(join(path, ckpt.WEIGHTS))[1]
+    if os.path.isfile(join(path, ckpt.ADAPTER_WEIGHTS)):  # a PEFT model's, written by PEFT
+        _header(join(path, ckpt.ADAPTER_WEIGHTS))
+        return [ckpt.ADAPTER_WEIGHTS], False
     index_path = join(path, ckpt.WEIGHTS_INDEX)
     if not os.path.isfile(index_path):
         raise ckpt.CheckpointError(f"{join(path, ckpt.WEIGHTS)}: missing (no {ckpt.WEIGHTS} and no "
@@ -178,7 +181,7 @@ def written_by_transformers(path: str) -> bool:
     none of raytrain's own files (a raytrain checkpoint that lost its manifest is not one)."""
     has = lambda name: os.path.isfile(os.path.join(path, name))  # noqa: E731
     return (os.path.isdir(path) and not has(ckpt.MANIFEST) and has(ckpt.TRAINER_STATE)
-            and not has(run_state.DATA_STATE) and (has(ckpt.WEIGHTS) or has(ckpt.WEIGHTS_INDEX)))
+            and not has(run_state.DATA_STATE) and any(map(has, (ckpt.WEIGHTS, ckpt.WEIGHTS_INDEX, ckpt.ADAPTER_WEIGHTS))))
 
 
 def verify_transformers(path: str) -> str:

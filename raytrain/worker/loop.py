@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from .. import adapters
 from .. import checkpoint as ckpt
 from . import elastic, resume, run_state
 from ..data.columns import check_same_schema, count_items, is_named_datasets
@@ -99,7 +100,7 @@ def train(trainer: TrainerProtocol, resume_from_checkpoint=None, trial=None, loc
         _keep_only_best(trainer)
     if args.load_best_model_at_end and state.best_model_checkpoint:
         with (locate or contextlib.nullcontext)(state.best_model_checkpoint) as best:
-            run.strategy.load_model_state_dict(ckpt.load_weights(best, ckpt.read_manifest(best)))
+            adapters.load_weights(run.strategy, ckpt.load_weights(best, ckpt.read_manifest(best)), best)
     metrics = _train_metrics(run, start, start_step)
     trainer.log(metrics)
     trainer.control = cb.on_train_end(args, state, trainer.control)

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from .. import adapters, hf
 from .. import checkpoint as ckpt
-from .. import hf
 from ..state import TrainerControl, TrainerState
 
 if TYPE_CHECKING:
@@ -185,15 +185,21 @@ def save(run: RunState, epoch_finished: bool) -> str | None:
     if state.best_global_step == state.global_step:
         state.best_model_checkpoint = path
     saved_state = trainer_state(run)
+    peft = adapters.peft_of(strategy.model)  # its checkpoint holds the adapter alone, written by PEFT
+
+    def extra_files(tmp: str) -> None:  # rank 0's, synchronously
+        hf.save_pretrained_files(trainer.model, trainer.processing_class, args, tmp)
+        if peft is not None:
+            adapters.save_adapter(peft, weights, tmp)
+
     payload = ckpt.CheckpointPayload(pickles={rng_file(strategy): rng_state()},
                                      sharded_writer=strategy.save_sharded if strategy.has_sharded_state else None,
-                                     extra_files=lambda tmp: hf.save_pretrained_files(
-                                         trainer.model, trainer.processing_class, args, tmp))
+                                     extra_files=extra_files)
     weights = strategy.model_state_dict()  # a collective for sharded backends: every rank calls it
     # Each rank holds its share of the unlogged loss; the checkpoint keeps their sum (a collective).
     pending_loss = strategy.all_reduce(run.tr_loss.detach().clone()).item()
     if strategy.is_main:
-        payload.weights = weights
+        payload.weights = weights if peft is None else None
         if not args.save_only_model:
             opt_state = strategy.optimizer_state_dict()
             if opt_state is not None:
@@ -263,8 +269,9 @@ def read_files(run: RunState, saved: SavedState, manifest: dict | None) -> None:
 def apply(run: RunState, saved: SavedState) -> None:
     """Put every piece back; a model or optimizer that does not fit is reported against its file."""
     trainer, strategy, file = run.trainer, run.strategy, saved.file
-    weights_file = file(ckpt.WEIGHTS if os.path.exists(file(ckpt.WEIGHTS)) else ckpt.WEIGHTS_INDEX)
-    _apply(weights_file, strategy.load_model_state_dict, saved.weights)
+    weights_file = file(next((n for n in (ckpt.ADAPTER_WEIGHTS, ckpt.WEIGHTS) if os.path.exists(file(n))),
+                             ckpt.WEIGHTS_INDEX))
+    _apply(weights_file, lambda w: adapters.load_weights(strategy, w, saved.path), saved.weights)
     _apply(saved.path, strategy.load_optimizer_state, saved.optimizer)
     _apply(file(SCHEDULER), trainer.lr_scheduler.load_state_dict, saved.scheduler)
     if saved.scaler is not None:
