@@ -47,7 +47,8 @@ def logged(trainer) -> list[dict]:
 
 
 def _subprocess(code: str, env: dict | None = None) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, TESTS]), **(env or {})}
+    paths = [ROOT, TESTS, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]  # carried wheels
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths), **(env or {})}
     return subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
