@@ -102,7 +102,8 @@ def test_fp16_with_grad_scaler_killed_mid_run_resumes_bit_exact(tmp_path, save_a
     assert strategy.device.type == "cuda" and strategy.scaler is not None
     # The loss scale and its growth tracker (steps since the last overflow) continue from the checkpoint.
     assert strategy.scaler.state_dict() == reference.get_strategy().scaler.state_dict()
-    assert strategy.scaler.state_dict()["_growth_tracker"] > 0
+    saved_scale = strategy.scaler.state_dict()
+    assert (saved_scale["scale"], saved_scale["_growth_tracker"]) != (2.0**16, 0)  # it moved: grew or backed off
     saved = ckpt.load_pickle(str(tmp_path / "run" / "checkpoint-3" / "rng_state.pth"))
     assert len(saved["cuda"]) == torch.cuda.device_count()  # dropout's masks come from the CUDA generator
 
@@ -244,8 +245,8 @@ def test_a_checkpoint_written_on_a_cpu_machine_resumes_on_gpu(tmp_path):
     trainer = make_trainer(out, init_seed=7, max_steps=6, save_steps=3, callbacks=[start])
     trainer.train(resume_from_checkpoint=True)
     assert trainer.get_strategy().device.type == "cuda" and trainer.state.global_step == 6
-    assert {v.device.type for s in trainer.optimizer.state.values() for v in s.values() if torch.is_tensor(v)} \
-        == {"cuda"}
+    # AdamW's moments follow their parameters to the GPU ("step" stays a CPU scalar unless fused, as torch keeps it)
+    assert {v.device.type for s in trainer.optimizer.state.values() for k, v in s.items() if k != "step"} == {"cuda"}
     assert_same(start.weights, ckpt.load_weights(str(out / "checkpoint-3")))
 
 
