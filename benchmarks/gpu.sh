@@ -64,16 +64,16 @@ fi
 # The GPU tests: every test file that marks one (other files import Ray or Optuna, absent there).
 FILES=$(grep -rlE "pytest\.mark\.gpu|mark\.gpu\b" tests --include="test_*.py" | sort)
 echo "== pytest -m gpu: $(echo $FILES)"
-timeout 270 "$PY" -m pytest -m gpu -n 0 -p no:cacheprovider --timeout 150 -q -rA --durations=0 \
-    --junitxml "$OUT/junit.xml" $FILES 2>&1 | tee "$OUT/pytest.log" | grep -vE "^PASSED " | tail -60
+timeout 240 "$PY" -m pytest -m gpu -n 0 -p no:cacheprovider --timeout 150 -v -rfEs --durations=0 \
+    --junitxml "$OUT/junit.xml" $FILES 2>&1 | tee "$OUT/pytest.log" | tail -60
 TESTS_RC=${PIPESTATUS[0]}
-echo "== pytest exit status: $TESTS_RC (124: stopped at its 270 s limit)"
+echo "== pytest exit status: $TESTS_RC (124: stopped at its 240 s limit; pytest.log has each test as it ended)"
 
 echo "== benchmarks/gpu_train.py"
 if [ "$CUDA" = 1 ]; then BENCH=(); else BENCH=(--tiny); fi
-timeout 200 "$PY" benchmarks/gpu_train.py "${BENCH[@]}" --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" \
+timeout 180 "$PY" benchmarks/gpu_train.py "${BENCH[@]}" --json "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" \
     | grep -vE "Warning|warnings.warn|^\s*$" | tail -40
 BENCH_RC=${PIPESTATUS[0]}
-echo "== benchmark exit status: $BENCH_RC (124: stopped at its 200 s limit; bench.json holds the parts that ended)"
+echo "== benchmark exit status: $BENCH_RC (124: stopped at its 180 s limit; bench.json holds the parts that ended)"
 echo "== done: tests $TESTS_RC, benchmark $BENCH_RC; files: $(ls "$OUT" | tr '\n' ' ')"
 [ "$TESTS_RC" = 0 ] && [ "$BENCH_RC" = 0 ]

@@ -250,6 +250,28 @@ def test_a_checkpoint_written_on_a_cpu_machine_resumes_on_gpu(tmp_path):
     assert_same(start.weights, ckpt.load_weights(str(out / "checkpoint-3")))
 
 
+def _with_extra_cuda_rng_state(path) -> None:
+    """Rewrite a checkpoint's RNG file as a process that saw one more GPU would have written it."""
+    from tests.worker.test_checkpoint_async import as_format_1
+
+    rng = torch.load(path / "rng_state.pth", weights_only=False)
+    rng["cuda"] = [*rng.get("cuda", [torch.zeros(16, dtype=torch.uint8)]), torch.zeros(16, dtype=torch.uint8)]
+    torch.save(rng, path / "rng_state.pth")
+    as_format_1(path)  # the manifest's checksums of the rewritten file
+
+
+@cuda
+def test_a_checkpoint_from_a_process_that_saw_more_gpus_resumes_bit_exact_on_one(tmp_path):
+    reference = make_trainer(tmp_path / "ref", max_steps=6, save_strategy="no")
+    reference.train()
+    out = tmp_path / "run"
+    make_trainer(out, max_steps=6, save_steps=3, callbacks=[StopAt(3)]).train()
+    _with_extra_cuda_rng_state(out / "checkpoint-3")
+    resumed = make_trainer(out, init_seed=3, max_steps=6, save_steps=3)
+    resumed.train(resume_from_checkpoint=True)
+    assert_same(weights(resumed), weights(reference))  # the visible GPU's generator (dropout) was restored
+
+
 # ---------------------------------------------------------------- evaluation on the GPU
 
 
@@ -364,3 +386,18 @@ def test_a_checkpoint_whose_pickles_hold_cuda_tensors_resumes_on_cpu_bit_exact(t
     resumed.train(resume_from_checkpoint=True)
     assert_same(weights(resumed), weights(reference))
     assert logged(resumed) == logged(reference)
+
+
+def test_cuda_rng_states_of_more_gpus_than_visible_restore_those_that_exist(monkeypatch):
+    """What the GPU test above checks, with torch.cuda's calls stood in for: a run that saw 2 GPUs
+    resumed where 1 is visible restores GPU 0's generator and asks nothing of a GPU 1."""
+    from raytrain.worker import run_state
+
+    state = run_state.rng_state()
+    state["cuda"] = [torch.full((16,), 1, dtype=torch.uint8), torch.full((16,), 2, dtype=torch.uint8)]
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s, device: restored.append((device, s[0].item())))
+    run_state.load_rng_state(state)
+    assert restored == [(0, 1)]
