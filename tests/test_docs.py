@@ -287,6 +287,9 @@ def test_shell_snippet_checks(name):
         elif words[0] == "python" and words[1].startswith("benchmarks/"):
             flags = {w for w in words[2:] if w.startswith("--")}
             assert flags <= _script_flags(words[1]), f"{words[1]} lacks {flags - _script_flags(words[1])}"
+        elif words[:2] == ["bash", "benchmarks/gpu.sh"]:
+            assert set(words[2:]) <= set(re.findall(r'"(--[\w-]+)"', _read(words[1]))), words
+            assert set(env) <= {"OUT"}, env
         elif words[0] == "ray":
             assert shutil.which("ray"), "the ray CLI comes with ray[default]"
             assert words[1] in ("get-auth-token", "up", "dashboard", "job"), words

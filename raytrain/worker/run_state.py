@@ -165,7 +165,10 @@ def load_rng_state(state: dict) -> None:
     np.random.set_state((kind, keys.numpy().astype(np.uint32), pos, has_gauss, cached))
     torch.set_rng_state(state["cpu"])
     if torch.cuda.is_available() and "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # One state per GPU the saving process saw; resumed where fewer are visible (another machine),
+        # those that exist are restored (set_rng_state_all would fail on the first missing device).
+        for device, cuda_state in enumerate(state["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(cuda_state, device)
 
 
 def _tuplify(x):
