@@ -18,7 +18,7 @@ import torch
 
 from . import checkpoint as ckpt
 from . import hf
-from .strategies.base import unwrap_model
+from .strategies.base import frozen_names, unwrap_model
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +70,19 @@ def load_weights(strategy: Any, weights: dict[str, torch.Tensor], directory: str
         strategy.load_model_state_dict(weights)
         return
     strategy.load_model_state_dict(to_model_names(peft, weights, source), strict=False)
+
+
+def load_trained(model: Any, state: dict[str, torch.Tensor]) -> None:
+    """The weights a run returns (rank 0's) into the driver's `model`: all of them, or a PEFT model's
+    trained ones and buffers (its frozen base is the one the driver built)."""
+    inner = unwrap_model(model)
+    if peft_of(model) is None:
+        inner.load_state_dict(state)
+        return
+    result = inner.load_state_dict(state, strict=False)
+    bad = list(result.unexpected_keys) + sorted(set(result.missing_keys) - frozen_names(inner))
+    if bad:
+        raise RuntimeError(f"the run's weights do not fit the driver's model: {bad[:3]}")
 
 
 def save_merged(peft: Any, state: dict[str, torch.Tensor], directory: str, processing_class: Any = None) -> str:

@@ -159,7 +159,9 @@ class Trainer(ExampleScriptMethods):
         the processing class's files, training_args.json and .bin."""
         output_dir = output_dir or self.args.output_dir
         strategy = self.get_strategy()
-        state = strategy.model_state_dict() if strategy.model is not None else \
+        # a PEFT model's adapter alone, unless merged/ needs its base too
+        trainable_only = adapters.peft_of(self.model) is not None and not self.args.save_merged_model
+        state = strategy.model_state_dict(trainable_only=trainable_only) if strategy.model is not None else \
             {k: v.detach().cpu() for k, v in unwrap_model(self.model).state_dict().items()}
         if strategy.is_main:
             adapters.save_model_dir(self.model, state, self.processing_class, self.args, output_dir)

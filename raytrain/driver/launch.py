@@ -208,11 +208,12 @@ def _apply_result(trainer, value: dict) -> TrainOutput:
     """Rank 0's answer into the driver's trainer, which then evaluates and saves in-process."""
     import torch
 
+    from .. import adapters
     from ..strategies.single import SingleProcessStrategy
 
     trainer.state = TrainerState(**_json(value["state"]))
     weights = torch.load(io.BytesIO(value["weights"]), map_location="cpu", weights_only=True)
-    trainer.model.load_state_dict(weights)
+    adapters.load_trained(trainer.model, weights)
     trainer.model_wrapped = None
     trainer.set_strategy(SingleProcessStrategy(trainer.args))  # the driver has no process group
     return TrainOutput(value["global_step"], value["training_loss"], value["metrics"])

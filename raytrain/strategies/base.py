@@ -29,6 +29,11 @@ def unwrap_model(model: Any) -> Any:
     return getattr(model, "_orig_mod", model)
 
 
+def frozen_names(model: torch.nn.Module) -> set[str]:
+    """The state_dict names of parameters that do not train (every name of a tied one)."""
+    return {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
 class Strategy:
     """One backend. Subclasses override what differs; the defaults are the single-process ones."""
 
@@ -122,10 +127,13 @@ class Strategy:
         pass
 
     # -- state for checkpoints
-    def model_state_dict(self, all_ranks: bool = False) -> dict[str, torch.Tensor] | None:
+    def model_state_dict(self, all_ranks: bool = False, trainable_only: bool = False) -> dict[str, torch.Tensor] | None:
         """The full, consolidated fp32 weights on CPU. A collective for sharded backends: every rank
-        calls it; only rank 0 gets the dict unless `all_ranks` (the others get None)."""
-        return {k: v.detach().cpu() for k, v in self.unwrap(self.model).state_dict().items()}
+        calls it; only rank 0 gets the dict unless `all_ranks` (the others get None). trainable_only:
+        frozen parameters left out (a PEFT model's base: not copied nor gathered at each save)."""
+        model = self.unwrap(self.model)
+        frozen = frozen_names(model) if trainable_only else ()
+        return {k: v.detach().cpu() for k, v in model.state_dict().items() if k not in frozen}
 
     def load_model_state_dict(self, state: dict[str, torch.Tensor], strict: bool = True) -> None:
         """Full weights by name; strict=False: some of them (a PEFT adapter over a frozen base)."""

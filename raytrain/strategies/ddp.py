@@ -36,11 +36,11 @@ class DDPStrategy(TorchDistributedMixin, Strategy):
         ddp = getattr(self.model, "_orig_mod", self.model)
         return ddp.no_sync()
 
-    def model_state_dict(self, all_ranks: bool = False):
+    def model_state_dict(self, all_ranks: bool = False, trainable_only: bool = False):
         """Every replica holds the same weights: rank 0 copies its own (others only when asked)."""
         if not (self.is_main or all_ranks):
             return None
-        return super().model_state_dict()
+        return super().model_state_dict(trainable_only=trainable_only)
 
     def optimizer_state_dict(self):
         return self.optimizer.state_dict() if self.is_main else None

@@ -95,7 +95,7 @@ class DeepSpeedStrategy(TorchDistributedMixin, Strategy):
         pass  # engine.step() already cleared the gradients
 
     # -- state for checkpoints
-    def model_state_dict(self, all_ranks: bool = False):
+    def model_state_dict(self, all_ranks: bool = False, trainable_only: bool = False):
         """The fp32 weights (ZeRO's master copy where there is one), gathered from every rank's
         partition: a collective, so every rank calls it."""
         from deepspeed.utils import safe_get_full_fp32_param
@@ -104,6 +104,8 @@ class DeepSpeedStrategy(TorchDistributedMixin, Strategy):
         full: dict[int, torch.Tensor] = {}
         out = {}
         for name, value in module.state_dict(keep_vars=True).items():
+            if isinstance(value, torch.nn.Parameter) and trainable_only and not value.requires_grad:
+                continue
             if isinstance(value, torch.nn.Parameter):
                 if id(value) not in full:
                     fp32 = safe_get_full_fp32_param(value)

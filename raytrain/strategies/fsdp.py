@@ -144,9 +144,9 @@ class FSDPStrategy(TorchDistributedMixin, Strategy):
         return total
 
     # -- state for checkpoints
-    def model_state_dict(self, all_ranks: bool = False):
+    def model_state_dict(self, all_ranks: bool = False, trainable_only: bool = False):
         """Gathered from the shards; on CPU and on rank 0 only unless `all_ranks`. A collective."""
-        options = StateDictOptions(full_state_dict=True, cpu_offload=not all_ranks)
+        options = StateDictOptions(full_state_dict=True, cpu_offload=not all_ranks, ignore_frozen_params=trainable_only)
         state = get_model_state_dict(self.unwrap(self.model), options=options)
         if not state:
             return None

@@ -27,7 +27,7 @@ import torch
 
 from ..callbacks import TrainerCallback
 from ..callbacks.progress import ProgressFeeder, plain_logs, progress_callbacks
-from .. import checkpoint as ckpt
+from .. import adapters, checkpoint as ckpt
 from ..checkpoint import checkpoint_dir
 from ..checkpoint_io import disk_leaders
 from .resume import complete_here, complete_in, restart_point
@@ -346,7 +346,8 @@ def train_loop_per_worker(config: dict) -> dict | None:
     finally:
         _training_active.clear()
     preemption.finish(out.global_step, trainer.state.max_steps, trainer.args.save_strategy != "no")
-    weights = strategy.model_state_dict()  # a collective for sharded backends
+    # a collective for sharded backends; a PEFT model's frozen base stays where the driver built it
+    weights = strategy.model_state_dict(trainable_only=adapters.peft_of(strategy.model) is not None)
     strategy.barrier()
     if strategy.rank != 0:
         return None

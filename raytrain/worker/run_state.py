@@ -198,7 +198,7 @@ def save(run: RunState, epoch_finished: bool) -> str | None:
     payload = ckpt.CheckpointPayload(pickles={rng_file(strategy): rng_state()},
                                      sharded_writer=strategy.save_sharded if strategy.has_sharded_state else None,
                                      extra_files=extra_files)
-    weights = strategy.model_state_dict()  # a collective for sharded backends: every rank calls it
+    weights = strategy.model_state_dict(trainable_only=peft is not None)  # a collective for sharded backends
     # Each rank holds its share of the unlogged loss; the checkpoint keeps their sum (a collective).
     pending_loss = strategy.all_reduce(run.tr_loss.detach().clone()).item()
     if strategy.is_main:

@@ -291,6 +291,11 @@ def main(spec_path: str) -> None:
                                 **({"num_workers": [1, 2], "resize_interval_s": 1} if spec.get("elastic") else {})},
                        distributed=spec.get("distributed") or {"strategy": spec.get("strategy", "ddp")},
                        save_async=spec.get("save_async", False), save_total_limit=spec.get("keep"), **best)
+    if spec.get("lora"):  # the LoRA job instead: a tiny Llama's adapter, checkpoints holding it alone
+        from tests.hf.peft_jobs import lm_rows, lora_model
+        train, model = lm_rows(64), lora_model(dropout=0.1)
+    else:
+        model = digits_model()
     callbacks = [PauseOnce(**spec["pause"])] if spec.get("pause") else []
     if spec.get("worlds"):
         callbacks.append(WorldLog(spec["worlds"], spec.get("hold")))
@@ -298,7 +303,7 @@ def main(spec_path: str) -> None:
         callbacks.append(StepMarks(spec["marks"]))
     result: dict = {}
     try:
-        trainer = Trainer(digits_model(), args, train_dataset=train, eval_dataset=val if best else None,
+        trainer = Trainer(model, args, train_dataset=train, eval_dataset=val if best else None,
                           callbacks=callbacks)
         out = trainer.train()
         trainer.save_model(os.path.join(spec["output_dir"], "final"))

@@ -61,13 +61,13 @@ def _storage_checkpoints(storage: str) -> list[str]:
     return sorted(p for p in found if os.path.isfile(os.path.join(p, ckpt.MANIFEST)))
 
 
-def _every_rank_in_storage(storage: str) -> None:
+def _every_rank_in_storage(storage: str, weights: str = ckpt.WEIGHTS) -> None:
     """Each checkpoint in Ray's storage holds every rank's files and verifies against its manifest."""
     found = _storage_checkpoints(storage)
     assert found, os.listdir(storage)
     for path in found:
         manifest = ckpt.verify_checkpoint(path)
-        assert {"rng_state_0.pth", "rng_state_1.pth", ckpt.WEIGHTS, ckpt.TRAINER_STATE} <= set(manifest["files"])
+        assert {"rng_state_0.pth", "rng_state_1.pth", weights, ckpt.TRAINER_STATE} <= set(manifest["files"])
 
 
 def _lose_node_at(flag: str, replacement: str | None):
@@ -138,6 +138,22 @@ def test_losing_a_ranks_node_resumes_from_storage_bit_exact(cluster, reference, 
     assert run["logs"] == reference["logs"]
     assert {"final", "trainer_state.json"} <= set(run["output_dir"])
     _every_rank_in_storage(storage)
+
+
+@MORE
+@pytest.mark.timeout(1200)
+def test_lora_losing_rank_1s_node_resumes_its_adapter_from_storage_bit_exact(cluster):
+    """The LoRA job (LoRA dropout on): rank 1's node and disk are lost after step 12; the restarted group
+    resumes from the adapter checkpoint in storage and ends bit for bit as the uninterrupted run."""
+    shared = os.path.join(cluster.base, "shared", "lora")
+    reference = _run(cluster, "lora_ref", shared, os.path.join(cluster.storage, "lora_ref"), lora=True)
+    flag, storage = os.path.join(cluster.storage, "lose-lora"), os.path.join(cluster.storage, "lora_lost")
+    run = _run(cluster, "lora_lost", os.path.join(cluster.local, "lora_lost"), storage, lora=True,
+               during=_lose_node_at(flag, "d"), max_failures=1, pause={"rank": 1, "step": 12, "flag": flag})
+    assert run["global_step"] == 20 and run["digest"] == reference["digest"]
+    assert run["logs"] == reference["logs"]
+    _every_rank_in_storage(storage, weights=ckpt.ADAPTER_WEIGHTS)
+    assert not any(ckpt.WEIGHTS in os.listdir(p) for p in _storage_checkpoints(storage))
 
 
 @pytest.fixture(scope="module")

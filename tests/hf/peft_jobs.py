@@ -15,19 +15,26 @@ BACKENDS = {
 }
 
 
+FULL = {"full_ddp": "ddp", "full_fsdp": "fsdp", "full_zero3": "zero3"}  # the base model itself, no adapter
+
+
 def lm_rows(n: int = 32, length: int = 16) -> list[dict]:
     ids = torch.randint(1, VOCAB, (n, length), generator=torch.Generator().manual_seed(3))
     return [{"input_ids": row, "labels": row.clone()} for row in ids]
 
 
-def lora_model(dropout: float = 0.0):
-    from peft import LoraConfig, get_peft_model
+def base_model():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    base = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32))
-    return get_peft_model(base, LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=["q_proj", "v_proj"],
+
+
+def lora_model(dropout: float = 0.0):
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(base_model(), LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=["q_proj", "v_proj"],
                                            task_type="CAUSAL_LM"))
 
 
@@ -42,14 +49,17 @@ def lora_args(output_dir: str, workers: int, **kw):
 
 def run_lora_backends(config: dict) -> dict:
     """A Ray Train worker function: the LoRA job once per backend in one worker group (DDP, FSDP2 with
-    LoRA's mixed requires_grad, ZeRO-3); rank 0 returns each run's losses, or its error."""
+    LoRA's mixed requires_grad, ZeRO-3), then the base model fully fine-tuned on each; rank 0 returns each
+    run's losses, or its error."""
     from raytrain import Trainer
     from raytrain.worker import loop
 
     results = {}
-    for name, distributed in BACKENDS.items():
+    runs = [(name, lora_model, distributed) for name, distributed in BACKENDS.items()]
+    runs += [(name, base_model, BACKENDS[backend]) for name, backend in FULL.items()]
+    for name, build, distributed in runs:
         out = os.path.join(config["root"], name)
-        trainer = Trainer(lora_model(), lora_args(out, 2, distributed=distributed), train_dataset=lm_rows())
+        trainer = Trainer(build(), lora_args(out, 2, distributed=distributed), train_dataset=lm_rows())
         try:
             loop.train(trainer)
             trainer.save_model(os.path.join(out, "final"))
