@@ -105,8 +105,9 @@ def test_lora_script_trains_as_transformers_does(runs):
     _, hf, rt = runs
     loss = lambda t: [e["loss"] for e in t.state.log_history if "loss" in e]  # noqa: E731
     ev = lambda t: [e["eval_loss"] for e in t.state.log_history if "eval_loss" in e]  # noqa: E731
-    # float-level differences (2e-4 at most over 10 steps here) grow with the learning rate; a step of other
-    # data or another dropout mask differs by 1e-2
+    # LoRA dropout's masks differ (HF's RandomSampler draws its seed from torch's global generator, raytrain's
+    # order leaves it alone): 4e-4 at most over 10 steps here; with no dropout the losses are equal (measured:
+    # 0.0), and the resume test below compares them at 1e-5
     assert len(loss(rt)) == 10 and loss(rt) == pytest.approx(loss(hf), rel=5e-4)
     assert ev(rt) == pytest.approx(ev(hf), rel=5e-4)
     frozen = [n for n, p in rt.model.named_parameters() if not p.requires_grad]
