@@ -241,7 +241,8 @@ class Trainer(ExampleScriptMethods):
                               seed=args.data_seed if args.data_seed is not None else args.seed,
                               drop_last=args.dataloader_drop_last if training else False, shuffle=shuffle,
                               rank=strategy.rank, world_size=strategy.world_size, collate_fn=self.data_collator,
-                              columns=model_inputs(self.model, training=training), name=name)
+                              columns=model_inputs(self.model, training=training), name=name,
+                              input_name=(getattr(self.processing_class, "model_input_names", None) or ["input_ids"])[0])
         cache[key] = (dataset, source)  # holds the dataset, so its id is not reused while cached
         return source
 
