@@ -8,7 +8,8 @@ partial global batch is seen again, as HF).
 
 data_order "hf" (TrainingArguments.data_order, set by hf_order): the epoch's order is HF's instead,
 torch.randperm under a generator seeded with seed + epoch (accelerate's SeedableRandomSampler); it is
-cut and resumed as above.
+cut and resumed as above. As torch's DataLoader, each epoch's start draws one number from torch's global
+generator, so that dropout and NEFTune noise draw HF's random numbers too.
 
 group_by_length (group_by_length): the epoch's order (either one) is then grouped as HF's LengthGroupedSampler
 groups its permutation: megabatches sorted by length, longest first; cut, sharded and resumed as above.
@@ -87,6 +88,8 @@ class MapSource:
 
     def iter_batches(self, epoch: int, start: int = 0) -> Iterator[dict[str, torch.Tensor]]:
         """Batches of `epoch` from batch index `start` on: the skip is an index, not a replay."""
+        if self.data_order == "hf" and start == 0:  # torch's DataLoader draws its base seed from the global
+            torch.empty((), dtype=torch.int64).random_()  # generator as an epoch starts: HF's RNG stream (dropout, NEFTune)
         order = self.order(epoch)
         gen = (self.fetch(self.batch_indices(epoch, b, order)) for b in range(start, self._num_batches))
         return timed_batches(self, gen, self.prefetch_batches)
