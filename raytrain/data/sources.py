@@ -88,8 +88,8 @@ class MapSource:
 
     def iter_batches(self, epoch: int, start: int = 0) -> Iterator[dict[str, torch.Tensor]]:
         """Batches of `epoch` from batch index `start` on: the skip is an index, not a replay."""
-        if self.data_order == "hf" and start == 0:  # torch's DataLoader draws its base seed from the global
-            torch.empty((), dtype=torch.int64).random_()  # generator as an epoch starts: HF's RNG stream (dropout, NEFTune)
+        if self.data_order == "hf" and start == 0:  # as torch's DataLoader draws its base seed from the global
+            torch.empty((), dtype=torch.int64).random_()  # generator: HF's random stream (dropout, NEFTune)
         order = self.order(epoch)
         gen = (self.fetch(self.batch_indices(epoch, b, order)) for b in range(start, self._num_batches))
         return timed_batches(self, gen, self.prefetch_batches)

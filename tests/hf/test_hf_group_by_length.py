@@ -193,3 +193,20 @@ def test_losses_equal_hfs_and_a_mid_epoch_resume_continues_bit_exact(tmp_path):
     assert _losses(resumed, after=13) == got[13:]
     assert _losses(sft("rt", tmp_path / "old", data_order="hf", group_by_length=True,
                        train_sampling_strategy="random")) == got  # HF 4's name
+
+
+def test_a_resume_keeps_the_saved_megabatches_and_refuses_a_change_of_grouping(tmp_path):
+    from types import SimpleNamespace
+
+    from raytrain.worker.resume import _check_data_compat
+
+    lengths = np.arange(64) % 7
+    saved = {"epoch": 0, "next_batch": 4, **_source(lengths, 2, 4, 1, 0, seed=0, hf=False).state()}  # megabatch 8
+    args = TrainingArguments(str(tmp_path), report_to="none")
+    now = _source(lengths, 4, 1, 2, 0, seed=0, hf=False)  # an elastic resize: 2 ranks, batch 4, megabatch 4
+    _check_data_compat(SimpleNamespace(trainer=SimpleNamespace(args=args), data=now), dict(saved), "ckpt")
+    assert now.length_batch == 8 and torch.equal(now.order(0), _source(lengths, 8, 1, 1, 0, 0, hf=False).order(0))
+    plain = MapSource({"length": lengths, "i": np.arange(64)}, 2, seed=0, drop_last=True)
+    with pytest.raises(ValueError, match=r"^ckpt: resuming would change the data order \(group_by_length True -> "
+                                         r"False\); .*ignore_data_skip"):
+        _check_data_compat(SimpleNamespace(trainer=SimpleNamespace(args=args), data=plain), dict(saved), "ckpt")

@@ -154,6 +154,7 @@ def test_ranks_tokens_are_summed_in_the_steps_one_all_reduce():
     strategy = TwoRanks()
     items, seen = tokens.reduce_counts(strategy, torch.tensor(7), 30)
     assert (int(items), int(seen), strategy.calls) == (14, 65, 1)
-    run_ = SimpleNamespace(tokens_pending=seen, trainer=SimpleNamespace(state=SimpleNamespace(num_input_tokens_seen=10)))
+    state = SimpleNamespace(num_input_tokens_seen=10)
+    run_ = SimpleNamespace(tokens_pending=seen, trainer=SimpleNamespace(state=state))
     tokens.flush(run_)
     assert run_.trainer.state.num_input_tokens_seen == 75 and run_.tokens_pending is None
