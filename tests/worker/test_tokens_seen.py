@@ -74,3 +74,25 @@ def test_every_rank_counts_the_tokens_of_all_ranks_and_a_resume_continues(tmp_pa
     assert full["non_padding"][6] == int(_data()["attention_mask"].sum()) < N * WIDTH
     for how in ("all", "non_padding"):
         assert ranks[0][f"{how}/resumed"][-2:] == ranks[0][f"{how}/full"][-2:]  # step 6's log and the end
+
+
+def test_a_batch_is_counted_as_hf_counts_it(caplog):
+    from types import SimpleNamespace
+
+    from raytrain.worker import tokens
+
+    def count(how, batch, pad=None, main="input_ids"):
+        trainer = SimpleNamespace(args=SimpleNamespace(include_num_input_tokens_seen=how),
+                                  model=SimpleNamespace(main_input_name=main),
+                                  processing_class=SimpleNamespace(pad_token_id=pad) if pad is not None else None)
+        return tokens.counter(trainer)(batch)
+
+    ids = torch.tensor([[5, 6, 0], [7, 0, 0]])
+    mask = (ids != 0).long()
+    assert tokens.counter(SimpleNamespace(args=SimpleNamespace(include_num_input_tokens_seen="no"))) is None
+    assert count("all", {"input_ids": ids, "attention_mask": mask}) == 6
+    assert count("non_padding", {"input_ids": ids, "attention_mask": mask}) == 3
+    assert count("non_padding", {"input_ids": ids}, pad=0) == 3  # no mask: the tokenizer's pad token
+    assert count("non_padding", {"input_ids": ids}) == 6 and "counting all tokens" in caplog.text
+    assert count("all", {"pixel_values": ids}, main="pixel_values") == 6  # the model's main_input_name
+    assert count("all", {"x": ids}) == 0 and "no 'input_ids'" in caplog.text
