@@ -134,7 +134,8 @@ class TrainingArguments(HFArgumentMethods):
         None, "batches each data worker prepares ahead (default 2 with workers)")
     logging_nan_inf_filter: bool = _f(True, "leave nan/inf losses out of the logged mean")
     include_num_input_tokens_seen: str | bool = _f(
-        "no", "count input tokens in state.num_input_tokens_seen: no, all (input_ids) or non_padding")
+        "no", "count the input tokens of all ranks in state.num_input_tokens_seen and log it with "
+        "train_tokens_per_second: no, all (true: every input_ids entry) or non_padding (attention_mask's ones)")
     skip_memory_metrics: bool = _f(True, "skip memory profiling metrics")
     auto_find_batch_size: bool = _f(False, "halve the batch size on out-of-memory and retry")
     report_to: str | list[str] = _f(
@@ -189,10 +190,14 @@ class TrainingArguments(HFArgumentMethods):
     deepspeed: dict[str, Any] | str | None = _f(
         None, "a DeepSpeed config (mapping or JSON path): selects distributed.strategy deepspeed")
     accelerator_config: dict[str, Any] | str | None = _f(None, "not supported (no accelerate here)")
-    group_by_length: bool = _f(False, "not supported: batches are a seeded shuffle")
-    length_column_name: str = _f("length", "accepted for HF compatibility")
-    train_sampling_strategy: str = _f("random", "accepted for HF compatibility (random only)")
-    neftune_noise_alpha: float | None = _f(None, "not supported")
+    group_by_length: bool = _f(False, "HF 4's name of train_sampling_strategy: group_by_length")
+    length_column_name: str = _f(
+        "length", "group_by_length: the column holding each sample's length (else the length of its input_ids)")
+    train_sampling_strategy: Literal["random", "group_by_length"] = _f(
+        "random", "the training order: random (a seeded shuffle) or group_by_length (that shuffle in megabatches "
+        "sorted by length, longest first, as HF's LengthGroupedSampler: less padding)")
+    neftune_noise_alpha: Annotated[float | None, Field(gt=0)] = _f(
+        None, "NEFTune: uniform noise of +-alpha/sqrt(length x hidden size) on the input embeddings while training")
     use_liger_kernel: bool = _f(False, "not supported")
     liger_kernel_config: dict[str, bool] | None = _f(None, "not supported (use_liger_kernel)")
     optim_target_modules: None | str | list[str] = _f(None, "not supported (no GaLore / APOLLO optimizers)")

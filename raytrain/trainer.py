@@ -235,11 +235,13 @@ class Trainer(ExampleScriptMethods):
         hit = cache.get(key)
         if hit is not None and hit[0] is dataset and not training:
             return hit[1]
+        input_name = (getattr(self.processing_class, "model_input_names", None) or ["input_ids"])[0]
         source = build_loader(prepare_dataset(dataset, self.model, args, name), batch_size, args,
                               seed=args.data_seed if args.data_seed is not None else args.seed,
                               drop_last=args.dataloader_drop_last if training else False, shuffle=shuffle,
                               rank=strategy.rank, world_size=strategy.world_size, collate_fn=self.data_collator,
-                              columns=model_inputs(self.model, training=training), name=name)
+                              columns=model_inputs(self.model, training=training), name=name,
+                              input_name=input_name)
         cache[key] = (dataset, source)  # holds the dataset, so its id is not reused while cached
         return source
 

@@ -43,8 +43,6 @@ OWN_INTEGRATIONS = ("mlflow", "tensorboard")
 _HF_NOOP_WARNINGS = {
     "push_to_hub": "push_to_hub is not supported; the model is saved locally in output_dir",
     "accelerator_config": "accelerator_config is not supported (no accelerate); use the scaling section",
-    "group_by_length": "group_by_length is not supported; batches are a seeded shuffle",
-    "neftune_noise_alpha": "neftune_noise_alpha is not supported; no embedding noise is added",
     "use_liger_kernel": "use_liger_kernel is not supported; the model's own kernels are used",
     "logging_dir": "logging_dir is not used without report_to tensorboard; logs are in trainer_state.json",
     "fsdp_config": "fsdp_config is not used; put FSDP options in distributed.fsdp",

@@ -108,9 +108,12 @@ class ProgressCallback(TrainerCallback):
         if self.training_bar is not None and "loss" in logs:
             self.training_bar.set_postfix(loss=f"{logs['loss']:.4g}", lr=f"{logs.get('learning_rate', 0):.3g}",
                                           refresh=False)
-        shown = {k: v for k, v in logs.items() if not k.endswith(_QUIET) or k == "train_runtime"}
+        final = "train_loss" in logs  # the end of training; a step's logs carry train_runtime when counting tokens
+        shown = {k: v for k, v in logs.items() if not k.endswith(_QUIET) or (k == "train_runtime" and final)}
+        if "train_tokens_per_second" in logs:
+            shown["tokens/s"] = _count(round(logs["train_tokens_per_second"]))
         # A stopping run (a signal, early stopping) has no time left to estimate.
-        eta = "" if control.should_training_stop or "train_runtime" in logs else self._eta(state)
+        eta = "" if control.should_training_stop or final else self._eta(state)
         line = f"step {state.global_step}/{state.max_steps} {_fmt(shown)}{eta}"
         if self.training_bar is not None:
             self.training_bar.write(line, file=self.stream)

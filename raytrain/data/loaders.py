@@ -26,7 +26,7 @@ from .build import build_source
 from .columns import default_collate
 from .errors import DataError
 from .prefetch import timed_batches
-from .sources import hf_order
+from .sources import group_by_length, hf_order
 
 logger = logging.getLogger(__name__)
 
@@ -34,8 +34,13 @@ logger = logging.getLogger(__name__)
 def build_loader(data: Any, batch_size: int, args: Any, **kw) -> Any:
     """The source of `data` for this rank: IterableSource for iterable datasets, else build_source
     (wrapped in a WorkerPool when args.dataloader_num_workers > 0). args.data_order "hf" gives shuffled
-    map-style data HF's order; an iterable dataset is read in stream order either way, as HF reads it."""
+    map-style data HF's order; an iterable dataset is read in stream order either way, as HF reads it.
+    grouped_by_length(args) groups shuffled map-style data by `input_name`'s length (HF's LengthGroupedSampler)."""
+    input_name = kw.pop("input_name", "input_ids")
     if isinstance(data, torch.utils.data.IterableDataset):
+        if kw.get("shuffle", True) and grouped_by_length(args):
+            logger.warning("group_by_length is ignored for %s: an iterable dataset is read in its own order (as HF)",
+                           kw["name"])
         return IterableSource(data, batch_size, rank=kw["rank"], world_size=kw["world_size"],
                               collate_fn=kw["collate_fn"], drop_last=kw["drop_last"], seed=kw["seed"],
                               name=kw["name"])
@@ -44,6 +49,8 @@ def build_loader(data: Any, batch_size: int, args: Any, **kw) -> Any:
     source = build_source(data, batch_size, length_optional=length_optional, **kw)
     if kw.get("shuffle", True) and getattr(args, "data_order", "raytrain") == "hf":
         hf_order(source)
+    if kw.get("shuffle", True) and grouped_by_length(args):
+        group_by_length(source, batch_size * args.gradient_accumulation_steps, args.length_column_name, input_name)
     workers = getattr(args, "dataloader_num_workers", 0)
     if workers and hasattr(source, "batch_indices") and hasattr(source, "fetch"):
         return WorkerPool(source, workers, pin_memory=args.dataloader_pin_memory and torch.cuda.is_available(),
@@ -51,6 +58,12 @@ def build_loader(data: Any, batch_size: int, args: Any, **kw) -> Any:
                           persistent_workers=args.dataloader_persistent_workers,
                           multiprocessing_context=getattr(args, "dataloader_multiprocessing_context", None))
     return source
+
+
+def grouped_by_length(args: Any) -> bool:
+    """HF 5.23's train_sampling_strategy="group_by_length", or HF 4's group_by_length=True."""
+    return getattr(args, "train_sampling_strategy", "random") == "group_by_length" or \
+        bool(getattr(args, "group_by_length", False))
 
 
 def prepare_dataset(data: Any, model: Any, args: Any, name: str) -> Any:

@@ -8,7 +8,11 @@ partial global batch is seen again, as HF).
 
 data_order "hf" (TrainingArguments.data_order, set by hf_order): the epoch's order is HF's instead,
 torch.randperm under a generator seeded with seed + epoch (accelerate's SeedableRandomSampler); it is
-cut and resumed as above.
+cut and resumed as above. As torch's DataLoader, each epoch's start draws one number from torch's global
+generator, so that dropout and NEFTune noise draw HF's random numbers too.
+
+group_by_length (group_by_length): the epoch's order (either one) is then grouped as HF's LengthGroupedSampler
+groups its permutation: megabatches sorted by length, longest first; cut, sharded and resumed as above.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
+import numpy as np
 import torch
 
 from .columns import Columns, default_collate, table_to_numpy
@@ -61,6 +66,8 @@ class MapSource:
         self.all_columns: list[str] | None = None  # the file's columns, when it was read projected
         self.first_batch_check: Callable | None = None  # items of a torch Dataset are checked as first read
         self.data_order = "raytrain"  # "hf": HF's sampler order (hf_order)
+        self.lengths: np.ndarray | None = None  # each sample's length, when grouped by it (group_by_length)
+        self.length_batch = 0  # HF's batch_size of LengthGroupedSampler: a megabatch is 50 (at most) of them
 
     def __len__(self) -> int:
         return self._num_batches
@@ -69,8 +76,10 @@ class MapSource:
         if not self.shuffle:
             return torch.arange(self.num_samples)
         if self.data_order == "hf":  # RandomSampler.__iter__ under SeedableRandomSampler's seeding
-            return torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + epoch))
-        return torch.from_numpy(seeded_rng(self.seed, epoch).permutation(self.num_samples))
+            order = torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + epoch))
+        else:
+            order = torch.from_numpy(seeded_rng(self.seed, epoch).permutation(self.num_samples))
+        return order if self.lengths is None else length_grouped(order, self.lengths, self.length_batch)
 
     def batch_indices(self, epoch: int, batch: int, order: torch.Tensor | None = None) -> torch.Tensor:
         order = self.order(epoch) if order is None else order
@@ -79,6 +88,8 @@ class MapSource:
 
     def iter_batches(self, epoch: int, start: int = 0) -> Iterator[dict[str, torch.Tensor]]:
         """Batches of `epoch` from batch index `start` on: the skip is an index, not a replay."""
+        if self.data_order == "hf" and start == 0:  # as torch's DataLoader draws its base seed from the global
+            torch.empty((), dtype=torch.int64).random_()  # generator: HF's random stream (dropout, NEFTune)
         order = self.order(epoch)
         gen = (self.fetch(self.batch_indices(epoch, b, order)) for b in range(start, self._num_batches))
         return timed_batches(self, gen, self.prefetch_batches)
@@ -124,6 +135,8 @@ class MapSource:
                  "drop_last": self.drop_last}
         if self.data_order != "raytrain":  # the default's data_state.json stays as it was
             state["data_order"] = self.data_order
+        if self.lengths is not None:
+            state["group_by_length"] = self.length_batch
         return state
 
 
@@ -141,6 +154,51 @@ def hf_order(source: Any) -> None:
                         "accelerate fills with samples from the start of the epoch and raytrain does not; set "
                         "dataloader_drop_last=true, or data_order='raytrain'")
     source.data_order = "hf"
+
+
+def group_by_length(source: Any, batch_size: int, length_column: str = "length",
+                    input_name: str = "input_ids") -> None:
+    """Group a shuffled map-style source's order by sample length, as HF's LengthGroupedSampler(batch_size)
+    does: lengths from the `length_column` column if the data has one, else len(item[input_name])."""
+    if not isinstance(source, MapSource):
+        raise DataError(f"group_by_length: {source.name} ({source.where}) is streamed, and grouping by length "
+                        "sorts samples across the whole dataset; pass the data in memory (Files(..., stream=False)) "
+                        "or set group_by_length=False")
+    source.lengths = sample_lengths(source.dataset, length_column, input_name, source.name)
+    source.length_batch = batch_size
+
+
+def sample_lengths(dataset: Any, length_column: str, input_name: str, name: str = "dataset") -> np.ndarray:
+    """Each sample's length: its `length_column` value, else len(item[input_name]) (HF's rule)."""
+    columns = dataset.columns if isinstance(dataset, Columns) else {}
+    names = list(columns) or list(getattr(dataset, "column_names", None) or [])
+    if length_column in names:
+        values = columns[length_column] if columns else dataset[length_column]
+        return np.asarray(values.tolist() if hasattr(values, "tolist") else list(values))
+    if input_name in columns:
+        col = columns[input_name]
+        return np.full(len(col), col.shape[1]) if isinstance(col, torch.Tensor) else np.array([len(r) for r in col])
+    if input_name in names:  # a datasets.Dataset: its column, without decoding every row
+        return np.array([len(r) for r in dataset[input_name]])
+    first = dataset[0] if len(dataset) else None
+    if not isinstance(first, Mapping) or input_name not in first:
+        raise DataError(f"group_by_length: {name}'s samples have no {input_name!r} to measure and no {length_column!r} "
+                        "column (length_column_name); add a length column or set group_by_length=False")
+    return np.array([len(dataset[i][input_name]) for i in range(len(dataset))])
+
+
+def length_grouped(order: torch.Tensor, lengths: np.ndarray, batch_size: int) -> torch.Tensor:
+    """HF's get_length_grouped_indices applied to the permutation `order`: megabatches of
+    min(n // (4 * batch_size), 50) (at least 1) batches, each sorted by length, longest first (stable);
+    the longest sample of all is swapped to the front of the first megabatch."""
+    n = len(order)
+    size = max(min(n // (batch_size * 4), 50), 1) * batch_size
+    perm = order.numpy()
+    key = -lengths.astype(np.float64 if lengths.dtype.kind == "f" else np.int64)
+    megabatches = [mb[np.argsort(key[mb], kind="stable")] for mb in (perm[i:i + size] for i in range(0, n, size))]
+    k = int(np.argmax([lengths[mb[0]] for mb in megabatches]))  # the first maximum, as torch.argmax
+    megabatches[0][0], megabatches[k][0] = megabatches[k][0], megabatches[0][0]
+    return torch.from_numpy(np.concatenate(megabatches))
 
 
 @dataclass

@@ -4,7 +4,7 @@ choice; how each piece of the run is saved and restored, run_state.py's.
 The loop, with every callback event in the order it fires (HF Trainer's order)::
 
     Trainer.__init__                               -> on_init_end
-    train():
+    train():                                         NEFTune's hook on the input embeddings till the end
       log_training_start                             HF's "***** Running training *****" info lines
       restore(checkpoint)                            model, optimizer, scheduler, scaler, RNG,
                                                      data position, loop accumulators, callbacks
@@ -45,7 +45,7 @@ import torch
 
 from .. import adapters
 from .. import checkpoint as ckpt
-from . import elastic, resume, run_state
+from . import elastic, neftune, resume, run_state, tokens
 from ..data.columns import check_same_schema, count_items, is_named_datasets
 from ..data.loaders import LoaderSource, check_iterable_training, num_batches
 from ..optim import scheduler_needs_metric
@@ -68,6 +68,11 @@ class NonFiniteError(RuntimeError):
 def train(trainer: TrainerProtocol, resume_from_checkpoint=None, trial=None, locate=None) -> TrainOutput:
     """The training loop. `locate(path)`, a context manager, gives a directory holding that checkpoint's
     weights on this rank (Ray runs: fetched from Ray's storage where this node's disk lacks them)."""
+    with neftune.noise(trainer.model, trainer.args.neftune_noise_alpha):  # removed after training, as HF
+        return _train(trainer, resume_from_checkpoint, trial, locate)
+
+
+def _train(trainer: TrainerProtocol, resume_from_checkpoint, trial, locate) -> TrainOutput:
     configured = elastic.fit_batch(trainer.args, trainer.get_strategy().world_size)  # before the data is cut
     run = _setup(trainer)
     trainer.log_training_start(run.data, run.steps_per_epoch)  # HF's "***** Running training *****" lines
@@ -79,6 +84,7 @@ def train(trainer: TrainerProtocol, resume_from_checkpoint=None, trial=None, loc
         elastic.announce(trainer.args, run.strategy.world_size, saved or configured)
     args, state, cb = trainer.args, trainer.state, trainer.callback_handler
     start, start_step = time.perf_counter(), state.global_step
+    run.start_time, run.start_tokens = start, state.num_input_tokens_seen
     trainer.control = cb.on_train_begin(args, state, trainer.control)
     if args.eval_on_start and state.global_step == 0:
         trainer.evaluate(ignore_keys=trainer.ignore_keys_for_eval)  # a sanity check, as HF; not a best candidate
@@ -101,6 +107,7 @@ def train(trainer: TrainerProtocol, resume_from_checkpoint=None, trial=None, loc
     if args.load_best_model_at_end and state.best_model_checkpoint:
         with (locate or contextlib.nullcontext)(state.best_model_checkpoint) as best:
             adapters.load_weights(run.strategy, ckpt.load_weights(best, ckpt.read_manifest(best)), best)
+    tokens.flush(run)
     metrics = _train_metrics(run, start, start_step)
     trainer.log(metrics)
     trainer.control = cb.on_train_end(args, state, trainer.control)
@@ -151,7 +158,7 @@ def _setup(trainer: TrainerProtocol) -> RunState:
                                        side_channel=strategy.side_channel() if args.save_async and
                                        strategy.world_size > 1 else None)
     return RunState(trainer, strategy, data, steps_per_epoch, n_batches, writer=writer,
-                    tr_loss=torch.zeros((), device=strategy.device))
+                    tr_loss=torch.zeros((), device=strategy.device), count_tokens=tokens.counter(trainer))
 
 
 def _train_source(trainer: TrainerProtocol, strategy):
@@ -200,12 +207,21 @@ def _train_step(run: RunState, window: list[dict]) -> None:
     trainer, strategy = run.trainer, run.strategy
     args, state, cb = trainer.args, trainer.state, trainer.callback_handler
     trainer.control = cb.on_step_begin(args, state, trainer.control)
+    count = run.count_tokens
+    seen = sum(map(count, window)) if count is not None else 0  # on the host, before the device
     window = [trainer.prepare_inputs(b) for b in window]
     num_items = None
     if len(window) > 1 or strategy.world_size > 1 or trainer.loss_needs_num_items():
         # Normalise by the items of the whole update step (all micro-batches, all ranks); with one
         # micro-batch on one rank the weight is exactly 1 and the count is skipped.
-        num_items = strategy.all_reduce(sum(count_items(b) for b in window))
+        items = sum(count_items(b) for b in window)
+        if count is not None and strategy.world_size > 1:  # the ranks' tokens ride in the same all_reduce
+            num_items, seen = tokens.reduce_counts(strategy, items, seen)
+            run.tokens_pending = seen if run.tokens_pending is None else run.tokens_pending + seen
+        else:
+            num_items = strategy.all_reduce(items)
+    if count is not None and strategy.world_size == 1:
+        state.num_input_tokens_seen += seen
     step_loss = None
     for i, batch in enumerate(window):
         last = i == len(window) - 1
@@ -214,8 +230,6 @@ def _train_step(run: RunState, window: list[dict]) -> None:
         step_loss = loss if step_loss is None else step_loss + loss
         if not last:
             trainer.control = cb.on_substep_end(args, state, trainer.control)
-        if args.include_num_input_tokens_seen != "no":
-            state.num_input_tokens_seen += _tokens(batch, args.include_num_input_tokens_seen)
         state.total_flos += trainer.floating_point_ops(batch)
     run.grad_norm = strategy.clip_grad_norm(args.max_grad_norm)
     trainer.control = cb.on_pre_optimizer_step(args, state, trainer.control)
@@ -234,14 +248,6 @@ def _train_step(run: RunState, window: list[dict]) -> None:
         fallback = run.tr_loss / (1 + state.global_step - 1 - run.last_logged)
         step_loss = torch.where(torch.isfinite(step_loss), step_loss, fallback)
     run.tr_loss = run.tr_loss + step_loss
-
-
-def _tokens(batch: dict, how: str) -> int:
-    """Input tokens of a micro-batch: every input_ids entry, or ("non_padding") attention_mask's ones."""
-    if how == "non_padding" and "attention_mask" in batch:
-        return int(batch["attention_mask"].sum())
-    ids = batch.get("input_ids")
-    return ids.numel() if ids is not None else 0
 
 
 def _account_nonfinite(run: RunState, stepped: bool) -> None:
@@ -265,6 +271,8 @@ def _account_nonfinite(run: RunState, stepped: bool) -> None:
 def _log_evaluate_save(run: RunState, trial, epoch_finished: bool = False) -> None:
     trainer = run.trainer
     control, state = trainer.control, trainer.state
+    if run.tokens_pending is not None and (control.should_log or control.should_evaluate or control.should_save):
+        tokens.flush(run)
     if control.should_log and state.global_step > run.last_logged:
         # Each rank's loss is its share of the step's loss (items / items of all ranks): sum them.
         loss = run.strategy.all_reduce(run.tr_loss.detach().clone()).item()
@@ -273,6 +281,8 @@ def _log_evaluate_save(run: RunState, trial, epoch_finished: bool = False) -> No
         if run.grad_norm is not None:
             logs["grad_norm"] = float(run.grad_norm)
         logs["learning_rate"] = run.last_lr
+        if run.count_tokens is not None:  # HF's speed_metrics: trainer.log adds num_input_tokens_seen
+            logs.update(tokens.speed(run, time.perf_counter()))
         run.total_loss += loss
         run.tr_loss.zero_()
         run.last_logged = state.global_step

@@ -307,6 +307,11 @@ def _check_data_compat(run: RunState, saved: dict, path: str) -> None:
     order = (saved.get("data_order", "raytrain"), data.state().get("data_order", "raytrain"))
     if data.state().get("kind") == "map" and order[0] != order[1]:  # the default's state leaves it out
         changed.append(f"data_order {order[0]} -> {order[1]}")
+    grouped = (saved.get("group_by_length"), data.state().get("group_by_length"))
+    if (grouped[0] is None) != (grouped[1] is None):
+        changed.append(f"group_by_length {grouped[0] is not None} -> {grouped[1] is not None}")
+    elif grouped[0] != grouped[1]:  # another batch (an elastic resize): the saved run's megabatches go on
+        getattr(data, "source", data).length_batch = grouped[0]
     if changed:
         msg = f"{path}: resuming would change the data order ({'; '.join(changed)})"
         if not args.ignore_data_skip:

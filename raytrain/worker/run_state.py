@@ -59,6 +59,10 @@ class RunState:
     last_lr: float = 0.0
     nonfinite: list[int] = field(default_factory=list)
     skipped_steps: int = 0
+    count_tokens: Any = None              # a micro-batch's input tokens (worker/tokens.py); None: not counted
+    tokens_pending: torch.Tensor | None = None  # the ranks' tokens not yet in TrainerState (on device)
+    start_time: float = 0.0               # this session's start and tokens then: train_tokens_per_second
+    start_tokens: int = 0
 
 
 # ---------------------------------------------------------------- trainer_state.json

@@ -143,3 +143,29 @@ def test_the_driver_draws_the_bars_from_rank_0s_events(tmp_path):
     assert len(sends) > 2                                      # sent as it went
     assert "8/8" in out and "loss=" in out and "lr=" in out    # the bar, with the latest loss and lr
     assert "evaluating" in out and "\r" in out
+
+
+def test_counting_tokens_adds_tokens_per_second_to_each_line_and_keeps_the_eta(tmp_path):
+    import torch
+
+    class Tokens(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(8, 1)
+
+        def forward(self, input_ids, labels):
+            return {"loss": ((self.emb(input_ids).sum((1, 2)) - labels) ** 2).mean()}
+
+    data = {"input_ids": torch.randint(0, 8, (32, 5), generator=torch.Generator().manual_seed(0)),
+            "labels": torch.ones(32)}
+    args = args_for(tmp_path, max_steps=8, logging_steps=4, per_device_train_batch_size=4, save_strategy="no",
+                    include_num_input_tokens_seen=True)
+    stream = io.StringIO()
+    trainer = Trainer(Tokens(), args, train_dataset=data)
+    trainer.add_callback(ProgressCallback(stream))
+    trainer.train()
+    lines = stream.getvalue().splitlines()[1:]
+    assert re.match(r"step 4/8 loss=\S+ grad_norm=\S+ learning_rate=\S+ epoch=0.5 num_input_tokens_seen=80 "
+                    r"tokens/s=\S+ eta=", lines[0]), lines[0]
+    assert "train_runtime" not in lines[0] and "train_runtime=" in lines[-1] and "eta=" not in lines[-1]
+    assert trainer.state.log_history[0]["train_tokens_per_second"] > 0

@@ -238,7 +238,9 @@ def test_every_loop_field_is_saved_or_deliberately_not(tmp_path):
 
     from raytrain.worker.run_state import RunState
     rebuilt = {"trainer", "strategy", "data", "steps_per_epoch", "num_batches", "exhausted", "writer",
-               "last_saved", "epoch", "next_batch"}  # the last two travel in data_state.json
+               "last_saved", "epoch", "next_batch",  # these two travel in data_state.json
+               "count_tokens", "start_time", "start_tokens",  # this session's (tokens/s, as HF's)
+               "tokens_pending"}  # flushed into TrainerState before every save
     make_trainer(tmp_path, max_steps=1).train()
     saved = json.load(open(tmp_path / "checkpoint-1" / "loop_state.json"))
     assert {f.name for f in dataclasses.fields(RunState)} - rebuilt == set(saved)
