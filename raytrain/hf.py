@@ -60,12 +60,19 @@ def default_collator(processing_class: Any):
     return None
 
 
-def signature_columns(model: Any, label_names: list[str]) -> list[str]:
-    """The names HF keeps when removing unused columns: forward's parameters, labels and their aliases."""
+def forward_owner(model: Any) -> Any:
+    """The module whose forward names the model's inputs: the user's inside wrappers, a PEFT model's base
+    (a PeftModel without a task type takes *args, **kwargs), as HF inspects it."""
     from .strategies.base import unwrap_model
 
+    model = unwrap_model(model)
+    return model.get_base_model() if is_peft_model(model) else model
+
+
+def signature_columns(model: Any, label_names: list[str]) -> list[str]:
+    """The names HF keeps when removing unused columns: forward's parameters, labels and their aliases."""
     try:
-        names = list(inspect.signature(unwrap_model(model).forward).parameters)
+        names = list(inspect.signature(forward_owner(model).forward).parameters)
     except (TypeError, ValueError, AttributeError):
         return []
     return list(dict.fromkeys(names + list(LABEL_ALIASES) + list(label_names)))

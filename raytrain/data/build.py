@@ -131,9 +131,9 @@ _NOT_DATA = {"self", "num_items_in_batch", "return_dict", "output_attentions", "
 
 def model_inputs(model: Any, training: bool = True) -> ModelInputs | None:
     """The batch keys `model.forward` needs; with `training` and a `labels` argument, labels too."""
-    from ..strategies.base import unwrap_model
+    from ..hf import forward_owner
 
-    fwd = unwrap_model(model)
+    fwd = forward_owner(model)
     try:
         params = inspect.signature(fwd.forward).parameters
     except (TypeError, ValueError, AttributeError):

@@ -267,3 +267,21 @@ def _resume(out, checkpoint, max_steps: int):
     trainer.args.max_steps = max_steps
     trainer.train(resume_from_checkpoint=str(checkpoint))
     return trainer
+
+
+def test_a_peft_model_without_a_task_type_trains_on_its_base_models_columns(tmp_path):
+    """A PeftModel made without task_type has forward(*args, **kwargs): the columns kept and required are
+    its base model's, as HF inspects them (get_base_model)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import DataCollatorForLanguageModeling
+
+    from raytrain import Trainer, TrainingArguments
+
+    tok, train, _ = lm_data()
+    model = get_peft_model(base_model(len(tok)), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    assert type(model).__name__ == "PeftModel"
+    args = TrainingArguments(str(tmp_path), max_steps=2, per_device_train_batch_size=8, save_strategy="no",
+                             **scripts.COMMON)
+    trainer = Trainer(model=model, args=args, train_dataset=train.add_column("text", ["x"] * len(train)),
+                      processing_class=tok, data_collator=DataCollatorForLanguageModeling(tok, mlm=False))
+    assert trainer.train().global_step == 2
