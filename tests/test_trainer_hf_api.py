@@ -116,7 +116,8 @@ def test_auto_find_batch_size_retries_on_a_cuda_oom_runtime_error(tmp_path, capl
                       train_dataset=columns(32))
     with caplog.at_level(logging.WARNING, logger="raytrain.trainer"):
         assert trainer.train().global_step == 2
-    assert trainer.args.per_device_train_batch_size == 4
+    assert trainer._train_batch_size == 4 and trainer.state.train_batch_size == 4
+    assert trainer.args.per_device_train_batch_size == 16  # as HF: the arguments stay as given
     assert "retrying with 8" in caplog.text and "retrying with 4" in caplog.text
     with pytest.raises(RuntimeError, match="something else"):  # other errors are not retried
         class Broken(TinyClassifier):

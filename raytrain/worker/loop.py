@@ -134,7 +134,7 @@ def _setup(trainer: TrainerProtocol) -> RunState:
     log_s, eval_s, save_s = args.resolve_steps(max_steps)
     trainer.state = TrainerState(
         max_steps=max_steps, logging_steps=log_s, eval_steps=eval_s, save_steps=save_s,
-        train_batch_size=args.per_device_train_batch_size, num_train_epochs=epochs,
+        train_batch_size=trainer._train_batch_size, num_train_epochs=epochs,
         is_local_process_zero=strategy.local_rank == 0, is_world_process_zero=strategy.is_main,
         is_hyper_param_search=trainer.trial_name is not None, trial_name=trainer.trial_name,
         trial_params=trainer.trial_params,
@@ -278,7 +278,7 @@ def _log_evaluate_save(run: RunState, trial, epoch_finished: bool = False) -> No
         trainer.log(logs)
     metrics = None
     if control.should_evaluate:
-        metrics = trainer.evaluate(ignore_keys=trainer.ignore_keys_for_eval)
+        metrics = trainer._evaluate(trial, trainer.ignore_keys_for_eval)  # HF's override point
         _update_best(trainer, metrics)
         if trainer.args.save_strategy == "best":
             control.should_save = state.best_global_step == state.global_step
@@ -309,8 +309,6 @@ def _skip_save(run: RunState) -> bool:
 
 def _update_best(trainer: TrainerProtocol, metrics: dict) -> None:
     args, state = trainer.args, trainer.state
-    if scheduler_needs_metric(trainer.lr_scheduler):
-        trainer.lr_scheduler.step(metrics[_metric_key(args.metric_for_best_model or "loss")])
     if not args.metric_for_best_model:
         return
     key = _metric_key(args.metric_for_best_model)
