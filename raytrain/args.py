@@ -136,7 +136,7 @@ class TrainingArguments(HFArgumentMethods):
     include_num_input_tokens_seen: str | bool = _f(
         "no", "count input tokens in state.num_input_tokens_seen: no, all (input_ids) or non_padding")
     skip_memory_metrics: bool = _f(True, "skip memory profiling metrics")
-    auto_find_batch_size: bool = _f(False, "halve the batch size on out-of-memory and retry")
+    auto_find_batch_size: bool = _f(False, "on out-of-memory, retry with a batch 10% smaller (as HF)")
     report_to: str | list[str] = _f(
         "none", "integrations to report to (HF's names): none, all (those installed), mlflow, tensorboard, wandb, "
                 "trackio, comet_ml, clearml, dvclive, neptune, swanlab, codecarbon, azure_ml, dagshub, flyte, kubeflow")

@@ -250,7 +250,7 @@ class Trainer(HFOverridePoints, ExampleScriptMethods):
         prepared = prepare_dataset(dataset, self.model, args, name)
         source = build_loader(prepared, batch_size, args,
                               seed=args.data_seed if args.data_seed is not None else args.seed,
-                              drop_last=args.dataloader_drop_last if training else False, shuffle=shuffle,
+                              drop_last=args.dataloader_drop_last, shuffle=shuffle,  # evaluation's too, as HF
                               rank=strategy.rank, world_size=strategy.world_size, collate_fn=self.data_collator,
                               columns=model_inputs(self.model, training=training), name=name)
         loader = RankLoader(source, prepared, args.dataloader_num_workers, args.dataloader_persistent_workers)
