@@ -16,7 +16,7 @@ from .args import TrainingArguments
 from .callbacks import CallbackHandler, DefaultFlowCallback, PrinterCallback, ProgressCallback
 from .callbacks.trackers import integration_callbacks
 from .checkpoint import save_weights
-from .data.columns import count_items, is_named_datasets
+from .data.columns import is_named_datasets
 from .hf_skeleton import ExampleScriptMethods
 from .trainer_hf import HFOverridePoints
 from .metrics import MemoryTracker
@@ -317,7 +317,7 @@ class Trainer(HFOverridePoints, ExampleScriptMethods):
             else:
                 total, items = self.label_smoother(outputs, labels, shift_labels=hf.is_causal_lm(unwrap_model(model)))
                 loss = total / (num_items_in_batch if num_items_in_batch is not None else items)
-        elif num_items_in_batch is not None and self.loss_needs_num_items():
+        elif num_items_in_batch is not None and self._loss_items_rule()[1]:
             outputs = model(**inputs, num_items_in_batch=num_items_in_batch)
             loss = hf.loss_of(outputs)
         else:
@@ -325,7 +325,7 @@ class Trainer(HFOverridePoints, ExampleScriptMethods):
             loss = hf.loss_of(outputs)
             if num_items_in_batch is not None:
                 # The model's loss is a mean over its items: weight it by their share of the step.
-                loss = loss * (count_items(inputs) / num_items_in_batch)
+                loss = loss * (self.count_loss_items(inputs) / num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
 
     def training_step(self, model, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
@@ -363,9 +363,16 @@ class Trainer(HFOverridePoints, ExampleScriptMethods):
         return loss, hf.predictions_of(outputs, loss is not None, ignore_keys), labels
 
     def loss_needs_num_items(self) -> bool:
-        """Whether the loss needs num_items_in_batch even for a single micro-batch on one rank."""
-        if not hasattr(self, "_wants_items"):
-            self._wants_items = self.compute_loss_func is not None or hf.accepts_num_items(self.model)
+        """Whether compute_loss gets num_items_in_batch even for a single micro-batch on one rank: as HF,
+        with compute_loss_func or a model that takes loss keywords."""
+        return self._loss_items_rule()[0]
+
+    def _loss_items_rule(self) -> tuple[bool, bool, bool]:
+        """(count num_items_in_batch always, pass it to the model's forward, count labels[..., 1:]), looked
+        up once."""
+        if "_wants_items" not in self.__dict__:
+            self._wants_items = (self.compute_loss_func is not None or hf.accepts_loss_kwargs(self.model),
+                                 hf.accepts_num_items(self.model), hf.loss_shifts_labels(self.model))
         return self._wants_items
 
     def floating_point_ops(self, inputs: dict) -> float:

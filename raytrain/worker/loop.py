@@ -45,7 +45,7 @@ import torch
 
 from .. import checkpoint as ckpt
 from . import elastic, resume, run_state
-from ..data.columns import check_same_schema, count_items, is_named_datasets
+from ..data.columns import check_same_schema, is_named_datasets
 from ..data.loaders import LoaderSource, check_iterable_training, num_batches
 from ..optim import scheduler_needs_metric
 from .run_state import RunState
@@ -204,7 +204,9 @@ def _train_step(run: RunState, window: list[dict]) -> None:
     if len(window) > 1 or strategy.world_size > 1 or trainer.loss_needs_num_items():
         # Normalise by the items of the whole update step (all micro-batches, all ranks); with one
         # micro-batch on one rank the weight is exactly 1 and the count is skipped.
-        num_items = strategy.all_reduce(sum(count_items(b) for b in window))
+        counts = [trainer.count_loss_items(b) for b in window]
+        if all(c is not None for c in counts):  # batches without labels: the model's own loss as it is
+            num_items = strategy.all_reduce(sum(counts))
     step_loss = None
     for i, batch in enumerate(window):
         last = i == len(window) - 1

@@ -100,6 +100,10 @@ class TrainerProtocol(Protocol):
     def loss_needs_num_items(self) -> bool:
         """Whether compute_loss needs num_items_in_batch even for one micro-batch on one rank."""
 
+    def count_loss_items(self, inputs: dict) -> Any:
+        """A batch's loss items as HF counts them (a tensor; None without labels): summed into
+        num_items_in_batch."""
+
     def current_learning_rate(self) -> float:
         """The rate the last optimizer step used (logged as learning_rate): HF's _get_learning_rate."""
 

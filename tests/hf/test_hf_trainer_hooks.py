@@ -66,6 +66,32 @@ def test_compute_loss_override_gets_hfs_num_items_in_batch_in_training_and_evalu
     assert losses["rt"] == pytest.approx(losses["hf"], rel=1e-5)
 
 
+def test_a_causal_lms_compute_loss_gets_hfs_token_counts_in_training_and_evaluation(tmp_path):
+    """GPT-2 (a model taking loss keywords): compute_loss gets HF's num_items_in_batch for every batch, without
+    compute_loss_func, counted by HF's rule."""
+    import functools
+
+    seen, losses = {}, {}
+    for lib in ("hf", "rt"):
+        Trainer, TrainingArguments = scripts.LIBS[lib][0]()
+
+        def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None, lib=lib):
+            seen.setdefault(lib, []).append((model.training, int(num_items_in_batch)))
+            return super(type(self), self).compute_loss(model, inputs, return_outputs, num_items_in_batch)
+
+        if lib == "rt":
+            TrainingArguments = functools.partial(TrainingArguments, data_order="hf")
+        trainer, metrics, _ = scripts.causal_lm(subclass(lib, compute_loss=compute_loss), TrainingArguments,
+                                                tmp_path / lib)
+        losses[lib] = [e["loss"] for e in trainer.state.log_history if "loss" in e] + [metrics["eval_loss"]]
+    assert seen["rt"] == seen["hf"]
+    assert len(seen["rt"]) == 8 and seen["rt"][-1][0] is False
+    # HF divides the loss's sum over labels[..., 1:] by this count of all labels (GPT-2's loss_type is None,
+    # so HF does not shift the count): its losses are smaller by about one label per row; raytrain's are the
+    # model's mean (docs/huggingface.md, exact loss normalisation)
+    assert all(0.9 < h / r < 1.0 for h, r in zip(losses["hf"], losses["rt"]))
+
+
 def test_batch_eval_metrics_gets_tensors_as_hf(tmp_path):
     """batch_eval_metrics=True: the metric function gets each batch's tensors (HF's), and the metrics agree."""
     types, results = {}, {}
