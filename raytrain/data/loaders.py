@@ -170,9 +170,12 @@ class RankLoader(torch.utils.data.DataLoader):
     attribute (iter_batches, num_samples, state ...) is the source's, so the loop resumes it exactly."""
 
     def __init__(self, source: Any, dataset: Any, num_workers: int = 0, persistent_workers: bool = False):
+        pool = getattr(source, "loader_kwargs", None) or {}  # a WorkerPool's DataLoader settings
+        workers = {} if not num_workers else {k: pool[k] for k in ("multiprocessing_context", "prefetch_factor")
+                                              if pool.get(k) is not None}
         super().__init__(dataset, batch_size=getattr(source, "batch_size", None) or 1,
-                         drop_last=bool(getattr(source, "drop_last", False)),
-                         num_workers=num_workers, persistent_workers=persistent_workers and num_workers > 0)
+                         drop_last=bool(getattr(source, "drop_last", False)), pin_memory=pool.get("pin_memory", False),
+                         num_workers=num_workers, persistent_workers=persistent_workers and num_workers > 0, **workers)
         self.__dict__["source"] = source
         self.epoch = 0
 
