@@ -18,6 +18,7 @@ _EXPORTS = {
     "optim": ["create_optimizer", "create_scheduler", "get_parameter_groups"],
     "state": ["EvalPrediction", "PredictionOutput", "TrainerControl", "TrainerState", "TrainOutput"],
     "trainer": ["Trainer", "set_seed"],
+    "trainer_hf": ["sort_checkpoints"],
     "seq2seq": ["Seq2SeqTrainer"],
     "seq2seq_args": ["Seq2SeqTrainingArguments"],
     "sweep": ["BestRun", "hyperparameter_search"],

@@ -137,7 +137,7 @@ class TrainingArguments(HFArgumentMethods):
         "no", "count the input tokens of all ranks in state.num_input_tokens_seen and log it with "
         "train_tokens_per_second: no, all (true: every input_ids entry) or non_padding (attention_mask's ones)")
     skip_memory_metrics: bool = _f(True, "skip memory profiling metrics")
-    auto_find_batch_size: bool = _f(False, "halve the batch size on out-of-memory and retry")
+    auto_find_batch_size: bool = _f(False, "on out-of-memory, retry with a batch 10% smaller (as HF)")
     report_to: str | list[str] = _f(
         "none", "integrations to report to (HF's names): none, all (those installed), mlflow, tensorboard, wandb, "
                 "trackio, comet_ml, clearml, dvclive, neptune, swanlab, codecarbon, azure_ml, dagshub, flyte, kubeflow")

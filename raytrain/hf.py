@@ -192,6 +192,35 @@ def default_label_names(model) -> list[str]:
     return ["labels"]
 
 
+def accepts_loss_kwargs(model) -> bool:
+    """HF's model_accepts_loss_kwargs: the model's own accepts_loss_kwargs, else whether its forward takes
+    **kwargs (or num_items_in_batch by name): HF then counts num_items_in_batch for every batch."""
+    from .strategies.base import unwrap_model
+
+    inner = unwrap_model(model)
+    if hasattr(inner, "accepts_loss_kwargs"):
+        return bool(inner.accepts_loss_kwargs)
+    try:
+        params = inspect.signature(inner.forward).parameters
+    except (TypeError, ValueError):
+        return False
+    return "num_items_in_batch" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+def loss_shifts_labels(model) -> bool:
+    """HF's rule for counting a batch's loss items over labels[..., 1:]: the model's loss_type maps to
+    transformers' causal-LM loss, and it is not an encoder-decoder."""
+    from .strategies.base import unwrap_model
+
+    inner = unwrap_model(model)
+    if not is_pretrained_model(inner):
+        return False
+    from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+
+    return LOSS_MAPPING.get(getattr(inner, "loss_type", None)) is ForCausalLMLoss and \
+        not getattr(getattr(inner, "config", None), "is_encoder_decoder", False)
+
+
 def accepts_num_items(model) -> bool:
     """Whether the model's forward takes num_items_in_batch (then it normalises its loss itself)."""
     from .strategies.base import unwrap_model

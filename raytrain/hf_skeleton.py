@@ -14,7 +14,7 @@ import torch
 
 from .accelerator import Accelerator
 from .metrics import format_metrics, write_metrics
-from .optim import create_optimizer, is_decayed
+from .optim import create_optimizer, decay_parameter_names
 
 logger = logging.getLogger("raytrain.trainer")
 
@@ -101,13 +101,9 @@ class ExampleScriptMethods:
         return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
 
     def get_decay_parameter_names(self, model: torch.nn.Module) -> list[str]:
-        """The names of the parameters raytrain's optimizer decays: not in a norm layer, two dimensions or more."""
-        names = []
-        for prefix, module in model.named_modules():
-            for name, param in module.named_parameters(recurse=False):
-                if is_decayed(module, param):
-                    names.append(f"{prefix}.{name}" if prefix else name)
-        return names
+        """The names of the parameters the optimizer decays, by HF's rule: not in a LayerNorm, not named
+        like a bias or a norm."""
+        return decay_parameter_names(model)
 
     @staticmethod
     def get_optimizer_cls_and_kwargs(args: Any, model: torch.nn.Module | None = None) -> tuple[type, dict]:

@@ -10,43 +10,42 @@ from __future__ import annotations
 
 import inspect
 import math
+import re
 import warnings
 from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm  # base of BatchNorm1d/2d/3d, SyncBatchNorm, lazy ones
 from torch.optim.lr_scheduler import LambdaLR, LRScheduler, ReduceLROnPlateau
 
-_NORM_TYPES = (nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, _BatchNorm)
+# As HF's get_decay_parameter_names: parameters of a LayerNorm, or named like a bias or a norm, are not decayed.
+_NO_DECAY_NAMES = re.compile(r"bias|layernorm|rmsnorm|(?:^|\.)norm(?:$|\.)|_norm(?:$|\.)")
 
 
-def is_decayed(module: nn.Module, param: nn.Parameter) -> bool:
-    """Whether weight decay applies to `param`, held directly by `module` (see get_parameter_groups)."""
-    return not isinstance(module, _NORM_TYPES) and param.ndim >= 2
+def decay_parameter_names(model: nn.Module) -> list[str]:
+    """The names of the parameters weight decay applies to, by HF's rule (module type and name)."""
+    names = []
+    for prefix, module in model.named_modules():
+        if isinstance(module, nn.LayerNorm):
+            continue
+        for name, _ in module.named_parameters(prefix=prefix, recurse=False):
+            if not _NO_DECAY_NAMES.search(name.lower()):
+                names.append(name)
+    return names
 
 
 def get_parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Split trainable parameters into a decayed and a non-decayed group.
-
-    Biases, normalization weights and any other parameter with fewer than two dimensions
-    are not decayed (as Hugging Face does): shrinking a scale or an offset towards zero
-    only hurts. Empty groups are left out, since some optimizers reject them.
-    """
+    """HF's two parameter groups: decayed (decay_parameter_names) and not, both kept even when empty or
+    when weight_decay is 0, so that per-group learning rates and optimizer states line up with HF's.
+    Tied weights appear once, frozen ones not at all."""
+    decayed = set(decay_parameter_names(model))
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
-    seen: set[int] = set()  # tied weights appear under several modules; keep the first
-    for module in model.modules():
-        for param in module.parameters(recurse=False):
-            if not param.requires_grad or id(param) in seen:
-                continue
-            seen.add(id(param))
-            (decay if is_decayed(module, param) else no_decay).append(param)
-    if weight_decay == 0:  # one group steps faster and is the same maths
-        return [{"params": decay + no_decay, "weight_decay": 0.0}]
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return [group for group in groups if group["params"]]
+    for name, param in model.named_parameters():
+        if param.requires_grad:
+            (decay if name in decayed else no_decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 def create_optimizer(model: nn.Module, args: Any) -> torch.optim.Optimizer:

@@ -91,7 +91,8 @@ class TrainOutput(NamedTuple):
 
 
 class EvalPrediction:
-    """What compute_metrics receives: predictions and label_ids as numpy arrays."""
+    """What compute_metrics receives: predictions and label_ids as numpy arrays (tensors per batch under
+    batch_eval_metrics, as HF)."""
 
     def __init__(self, predictions: np.ndarray | tuple, label_ids: np.ndarray | tuple | None):
         self.predictions = predictions

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -14,11 +14,12 @@ from .worker import loop
 from .args import TrainingArguments
 from .callbacks import CallbackHandler, DefaultFlowCallback, PrinterCallback, ProgressCallback
 from .callbacks.trackers import integration_callbacks
-from .data.columns import count_items, is_named_datasets
+from .data.columns import is_named_datasets
 from .hf_skeleton import ExampleScriptMethods
+from .trainer_hf import HFOverridePoints
 from .metrics import MemoryTracker
 from .worker.evaluation import EvalLoopOutput, evaluation_loop
-from .optim import create_optimizer, create_scheduler, get_lr, get_parameter_groups
+from .optim import create_optimizer, create_scheduler, get_parameter_groups
 from .seeding import set_seed
 from .state import PredictionOutput, TrainerControl, TrainerState, TrainOutput
 from .strategies.base import unwrap_model
@@ -28,7 +29,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["Trainer", "set_seed"]
 
 
-class Trainer(ExampleScriptMethods):
+class Trainer(HFOverridePoints, ExampleScriptMethods):
     """Train, evaluate and predict with a PyTorch model, as HF's Trainer does (same arguments, same
     overridable methods, same events).
 
@@ -70,6 +71,11 @@ class Trainer(ExampleScriptMethods):
         self.label_names = self.args.label_keys if self.args.label_names else hf.default_label_names(self.model)
         self.label_smoother = (hf.LabelSmoother(self.args.label_smoothing_factor)
                                if self.args.label_smoothing_factor else None)
+        if self.label_smoother is not None and \
+                getattr(getattr(self.model, "config", None), "problem_type", None) == "multi_label_classification":
+            warnings.warn("Label smoothing is not compatible with multi-label classification. "
+                          "Disabling label smoothing for this training run.", UserWarning, stacklevel=2)
+            self.label_smoother = None
         self._strategy = None
         self.ignore_keys_for_eval: list[str] | None = None  # train()'s, for the loop's evaluations
         self.trial_name: str | None = None  # set by a sweep: its TrainerState says which trial it is
@@ -93,12 +99,12 @@ class Trainer(ExampleScriptMethods):
         if kwargs:
             raise TypeError(f"train() got unexpected arguments {sorted(kwargs)}")
         if self.train_dataset is None:
-            raise ValueError("Trainer.train() needs a train_dataset")
+            raise ValueError("Trainer: training requires a train_dataset.")
         self.ignore_keys_for_eval = ignore_keys_for_eval
         if self.args.should_use_distributed:
             from .driver.launch import run_distributed
             return run_distributed(self, resume_from_checkpoint)
-        if self.model_init is not None and trial is not None:
+        if self.model_init is not None:  # as HF: every train() starts from a fresh, seeded model
             set_seed(self.args.seed, self.args.full_determinism)
             self.model = self.call_model_init(trial)
             self.optimizer = self.lr_scheduler = None
@@ -203,8 +209,7 @@ class Trainer(ExampleScriptMethods):
         resuming then replays it up to the saved position."""
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
-        args = self.args
-        return self._build_source(self.train_dataset, args.per_device_train_batch_size, "train_dataset",
+        return self._build_source(self.train_dataset, self._train_batch_size, "train_dataset",
                                   shuffle=True, training=True)
 
     def get_eval_dataloader(self, eval_dataset=None):
@@ -225,25 +230,30 @@ class Trainer(ExampleScriptMethods):
                                   shuffle=False, training=False)
 
     def _build_source(self, dataset, batch_size: int, name: str, shuffle: bool, training: bool):
-        """A source for `dataset` as HF prepares it; evaluation sources are built (and checked) once per
-        dataset and batch size, and reused by every evaluation."""
+        """A torch DataLoader (data/loaders.RankLoader) over a source for `dataset` as HF prepares it;
+        evaluation sources are built (and checked) once per dataset and batch size, and reused. As HF, a
+        new loader each call, but one kept per dataset with dataloader_persistent_workers."""
         from .data.build import model_inputs
-        from .data.loaders import build_loader, prepare_dataset
+        from .data.loaders import RankLoader, build_loader, prepare_dataset
         args, strategy = self.args, self.get_strategy()
         cache = self.__dict__.setdefault("_data_sources", {})
         key = (id(dataset), batch_size, training, strategy.rank, strategy.world_size)
         hit = cache.get(key)
         if hit is not None and hit[0] is dataset and not training:
-            return hit[1]
+            if args.dataloader_persistent_workers and args.dataloader_num_workers:
+                return hit[1]
+            return RankLoader(hit[1].source, hit[1].dataset, args.dataloader_num_workers)
         input_name = (getattr(self.processing_class, "model_input_names", None) or ["input_ids"])[0]
-        source = build_loader(prepare_dataset(dataset, self.model, args, name), batch_size, args,
+        prepared = prepare_dataset(dataset, self.model, args, name)
+        source = build_loader(prepared, batch_size, args,
                               seed=args.data_seed if args.data_seed is not None else args.seed,
-                              drop_last=args.dataloader_drop_last if training else False, shuffle=shuffle,
+                              drop_last=args.dataloader_drop_last, shuffle=shuffle,  # evaluation's too, as HF
                               rank=strategy.rank, world_size=strategy.world_size, collate_fn=self.data_collator,
                               columns=model_inputs(self.model, training=training), name=name,
                               input_name=input_name)
-        cache[key] = (dataset, source)  # holds the dataset, so its id is not reused while cached
-        return source
+        loader = RankLoader(source, prepared, args.dataloader_num_workers, args.dataloader_persistent_workers)
+        cache[key] = (dataset, loader)  # holds the dataset, so its id is not reused while cached
+        return loader
 
     # ------------------------------------------------------------ overridable: optimizer and schedule
     def create_optimizer(self, model: torch.nn.Module | None = None) -> torch.optim.Optimizer:
@@ -305,7 +315,7 @@ class Trainer(ExampleScriptMethods):
             else:
                 total, items = self.label_smoother(outputs, labels, shift_labels=hf.is_causal_lm(unwrap_model(model)))
                 loss = total / (num_items_in_batch if num_items_in_batch is not None else items)
-        elif num_items_in_batch is not None and self.loss_needs_num_items():
+        elif num_items_in_batch is not None and self._loss_items_rule()[1]:
             outputs = model(**inputs, num_items_in_batch=num_items_in_batch)
             loss = hf.loss_of(outputs)
         else:
@@ -313,7 +323,7 @@ class Trainer(ExampleScriptMethods):
             loss = hf.loss_of(outputs)
             if num_items_in_batch is not None:
                 # The model's loss is a mean over its items: weight it by their share of the step.
-                loss = loss * (count_items(inputs) / num_items_in_batch)
+                loss = loss * (self.count_loss_items(inputs) / num_items_in_batch)
         return (loss, outputs) if return_outputs else loss
 
     def training_step(self, model, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
@@ -338,11 +348,9 @@ class Trainer(ExampleScriptMethods):
         if ignore_keys is None:
             ignore_keys = hf.ignore_keys_for(unwrap_model(model))
         with torch.no_grad(), self.get_strategy().autocast():
-            if has_labels and self.compute_loss_func is not None and "labels" in inputs:
-                outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
-                loss = self.compute_loss_func(outputs, inputs["labels"], count_items(inputs))
-            elif has_labels:
-                loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
+            if has_labels:  # HF's num_items_in_batch: this batch's items, a tensor
+                loss, outputs = self.compute_loss(model, inputs, return_outputs=True,
+                                                  num_items_in_batch=self._eval_num_items(model, inputs))
             else:
                 outputs = model(**inputs)
                 loss = None
@@ -353,9 +361,16 @@ class Trainer(ExampleScriptMethods):
         return loss, hf.predictions_of(outputs, loss is not None, ignore_keys), labels
 
     def loss_needs_num_items(self) -> bool:
-        """Whether the loss needs num_items_in_batch even for a single micro-batch on one rank."""
-        if not hasattr(self, "_wants_items"):
-            self._wants_items = self.compute_loss_func is not None or hf.accepts_num_items(self.model)
+        """Whether compute_loss gets num_items_in_batch even for a single micro-batch on one rank: as HF,
+        with compute_loss_func or a model that takes loss keywords."""
+        return self._loss_items_rule()[0]
+
+    def _loss_items_rule(self) -> tuple[bool, bool, bool]:
+        """(count num_items_in_batch always, pass it to the model's forward, count labels[..., 1:]), looked
+        up once."""
+        if "_wants_items" not in self.__dict__:
+            self._wants_items = (self.compute_loss_func is not None or hf.accepts_loss_kwargs(self.model),
+                                 hf.accepts_num_items(self.model), hf.loss_shifts_labels(self.model))
         return self._wants_items
 
     def floating_point_ops(self, inputs: dict) -> float:
@@ -384,7 +399,7 @@ class Trainer(ExampleScriptMethods):
         """Make this Trainer (a sweep's copy of the user's, subclass and all) one trial's, as if built with
         the trial's args, model and callbacks (HF's _hp_search_setup). The other arguments stay, but for
         model_init (the sweep made `model`) and optimizers (the driver's model's); caches, state are new."""
-        for cache in ("_data_sources", "_model_flops", "_num_params", "_wants_items"):
+        for cache in ("_data_sources", "_model_flops", "_num_params", "_wants_items", "_found_batch_size"):
             self.__dict__.pop(cache, None)
         Trainer.__init__(self, model=model, args=args, data_collator=self.data_collator,
                          train_dataset=self.train_dataset, eval_dataset=self.eval_dataset,
@@ -410,11 +425,6 @@ class Trainer(ExampleScriptMethods):
         """The batch on this rank's device, by HF's overridable _prepare_inputs."""
         return self._prepare_inputs(inputs)
 
-    def current_learning_rate(self) -> float:
-        if hasattr(self.lr_scheduler, "get_last_lr"):
-            return float(self.lr_scheduler.get_last_lr()[0])
-        return get_lr(self.optimizer)
-
     def report_to_trial(self, trial, metrics: dict, checkpoint_dir: str | None = None) -> None:
         """An evaluation's metrics (and the checkpoint saved with them) to a sweep's trial reporter."""
         report = getattr(trial, "report", None)
@@ -429,34 +439,3 @@ class Trainer(ExampleScriptMethods):
     def stop_memory_tracking(self, stage: str) -> dict[str, int]:
         """The stage's memory metrics (with init's, the first time), or {} under skip_memory_metrics."""
         return {} if self.args.skip_memory_metrics else self._memory.stop(stage)
-
-    def _train_finding_batch_size(self, resume_from_checkpoint, trial) -> TrainOutput:
-        """auto_find_batch_size: halve the per-device batch on out-of-memory and start again."""
-        initial = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        while True:
-            try:
-                return loop.train(self, resume_from_checkpoint, trial)
-            except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
-                bs = self.args.per_device_train_batch_size
-                if not _is_out_of_memory(e) or bs <= 1:
-                    raise
-                logger.warning("out of memory at per_device_train_batch_size=%d (%s); retrying with %d",
-                               bs, str(e).splitlines()[0][:200], bs // 2)
-                self.args.per_device_train_batch_size = bs // 2
-                self.model.load_state_dict(initial)
-                self.optimizer = self.lr_scheduler = None
-                self.optimizers = (None, None)
-                self.set_strategy(None)
-                self.__dict__.pop("_data_sources", None)
-                if torch.cuda.is_available():
-                    torch.cuda.empty_cache()
-
-
-def _is_out_of_memory(e: BaseException) -> bool:
-    """torch's OOM error, a MemoryError, or a RuntimeError saying CUDA ran out of memory (as HF retries)."""
-    if isinstance(e, (torch.OutOfMemoryError, MemoryError)):
-        return True
-    text = str(e)
-    return isinstance(e, RuntimeError) and ("CUDA out of memory" in text or "CUDNN_STATUS_NOT_SUPPORTED" in text
-                                            or "DefaultCPUAllocator: can't allocate memory" in text)
-

@@ -250,7 +250,8 @@ class ArgumentRules(StrictModel):
                 raise ConfigError("fp16 requires a CUDA GPU (none found and scaling.use_gpu is false); use bf16 on CPU")
         self._check_elastic_batch()
         if self.save_strategy == "best" and self.metric_for_best_model is None:
-            raise ConfigError("save_strategy='best' requires metric_for_best_model to be set")
+            raise ConfigError("save_strategy='best': `args.metric_for_best_model` must be provided when using 'best' "
+                              "save_strategy or if `args.load_best_model_at_end` is set to `True`")
         if self.load_best_model_at_end:
             self._check_load_best()
         return self

@@ -107,7 +107,8 @@ def test_load_best_model_combinations():
 
 
 def test_save_best_needs_metric():
-    config_error(r"^save_strategy='best' requires metric_for_best_model to be set$", save_strategy="best")
+    config_error(r"^save_strategy='best': `args.metric_for_best_model` must be provided when using 'best' "
+                 r"save_strategy or if `args.load_best_model_at_end` is set to `True`$", save_strategy="best")
 
 
 def test_precision_checks(monkeypatch):

@@ -176,4 +176,5 @@ def test_use_cache_and_the_workers_start_method_are_applied(tmp_path):
                                       dataloader_multiprocessing_context="spawn"), train_dataset=columns(8))
     assert model.config.use_cache is False
     loader = trainer.get_train_dataloader()
-    assert isinstance(loader, WorkerPool) and loader.loader_kwargs["multiprocessing_context"] == "spawn"
+    assert isinstance(loader.source, WorkerPool) and loader.loader_kwargs["multiprocessing_context"] == "spawn"
+    assert loader.multiprocessing_context.get_start_method() == "spawn" and loader.num_workers == 1  # torch's

@@ -9,7 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from raytrain.optim import create_optimizer, create_scheduler, get_lr, get_parameter_groups, scheduler_needs_metric
+from raytrain.optim import (create_optimizer, create_scheduler, decay_parameter_names, get_lr, get_parameter_groups,
+                            scheduler_needs_metric)
 
 LR = 0.1
 T = 20  # training steps
@@ -307,23 +308,30 @@ class Net(nn.Module):
         return self.head(self.bn(h))
 
 
-def test_parameter_groups_skip_decay_for_biases_and_norms():
+def test_parameter_groups_are_hfs_decayed_and_not_by_module_type_and_name():
+    """HF's rule (get_decay_parameter_names): a LayerNorm's parameters and any named like a bias are not
+    decayed; a BatchNorm's weight is (HF matches norms by LayerNorm type or by a name containing "norm")."""
     model = Net()
     groups = get_parameter_groups(model, 0.05)
     assert [g["weight_decay"] for g in groups] == [0.05, 0.0]
     decay, no_decay = ({id(p) for p in g["params"]} for g in groups)
-    assert decay == {id(model.proj.weight), id(model.head.weight)}
+    assert decay == {id(model.proj.weight), id(model.head.weight), id(model.bn.weight)}
     assert no_decay == {id(p) for p in (model.proj.bias, model.norm.weight, model.norm.bias, model.norm2d.weight,
-                                        model.norm2d.bias, model.bn.weight, model.bn.bias)}
+                                        model.norm2d.bias, model.bn.bias)}
     assert id(model.frozen.weight) not in decay | no_decay
+    assert decay_parameter_names(nn.Sequential(nn.Linear(2, 2), nn.ModuleDict({"final_norm": nn.Linear(2, 2)}))) \
+        == ["0.weight"]  # "_norm" in the name
 
 
-def test_parameter_groups_omit_empty_groups_and_tied_duplicates():
-    assert [g["weight_decay"] for g in get_parameter_groups(nn.LayerNorm(4), 0.1)] == [0.0]
+def test_parameter_groups_are_two_even_when_empty_or_without_decay_and_hold_tied_weights_once():
+    assert [(g["weight_decay"], len(g["params"])) for g in get_parameter_groups(nn.LayerNorm(4), 0.1)] == \
+        [(0.1, 0), (0.0, 2)]
+    assert [(g["weight_decay"], len(g["params"])) for g in get_parameter_groups(nn.Linear(4, 4), 0.0)] == \
+        [(0.0, 1), (0.0, 1)]
     model = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4, bias=False))
     model[1].weight = model[0].weight  # tied
     groups = get_parameter_groups(model, 0.1)
-    assert len(groups) == 1 and len(groups[0]["params"]) == 1
+    assert [len(g["params"]) for g in groups] == [1, 0]
 
 
 @pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused", "sgd", "adafactor"])

@@ -143,7 +143,7 @@ class OOMAbove(TinyClassifier):
         return super().forward(x, labels)
 
 
-def test_auto_find_batch_size_halves_until_it_fits(tmp_path):
+def test_auto_find_batch_size_shrinks_by_a_tenth_until_it_fits(tmp_path):
     # Each too-large size trains one step before running out of memory: the retry must start over
     # from the initial weights, so the result equals a run at batch size 4 from the start.
     torch.manual_seed(0)
@@ -152,8 +152,9 @@ def test_auto_find_batch_size_halves_until_it_fits(tmp_path):
                     auto_find_batch_size=True, save_strategy="no")
     trainer = Trainer(model, args, train_dataset=columns(32))
     out = trainer.train()
-    assert trainer.args.per_device_train_batch_size == 4 and trainer.state.train_batch_size == 4
-    assert model.seen == [16, 16, 8, 8] + [4] * 8
+    assert trainer._train_batch_size == 4 and trainer.state.train_batch_size == 4
+    assert trainer.args.per_device_train_batch_size == 16  # as HF: the arguments stay as given
+    assert model.seen == [16, 16, 14, 14, 12, 12, 10, 10, 9, 9, 8, 8, 7, 7, 6, 6, 5, 5] + [4] * 8  # HF's sizes
     assert out.global_step == 8 and trainer.state.max_steps == 8
 
     torch.manual_seed(0)
@@ -247,7 +248,7 @@ def test_evaluate_metrics_and_errors(tmp_path, digits):
                       compute_metrics=compute_metrics)
     with pytest.raises(ValueError, match="needs an eval_dataset"):
         trainer.evaluate()
-    with pytest.raises(ValueError, match="needs a train_dataset"):
+    with pytest.raises(ValueError, match=r"^Trainer: training requires a train_dataset\.$"):
         trainer.train()
     metrics = trainer.evaluate(val)
     with torch.no_grad():

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 
 import pytest
 import torch
@@ -116,8 +117,9 @@ def test_auto_find_batch_size_retries_on_a_cuda_oom_runtime_error(tmp_path, capl
                       train_dataset=columns(32))
     with caplog.at_level(logging.WARNING, logger="raytrain.trainer"):
         assert trainer.train().global_step == 2
-    assert trainer.args.per_device_train_batch_size == 4
-    assert "retrying with 8" in caplog.text and "retrying with 4" in caplog.text
+    assert trainer._train_batch_size == 4 and trainer.state.train_batch_size == 4
+    assert trainer.args.per_device_train_batch_size == 16  # as HF: the arguments stay as given
+    assert [int(m) for m in re.findall(r"retrying with (\d+)", caplog.text)] == [14, 12, 10, 9, 8, 7, 6, 5, 4]
     with pytest.raises(RuntimeError, match="something else"):  # other errors are not retried
         class Broken(TinyClassifier):
             def forward(self, x, labels=None):

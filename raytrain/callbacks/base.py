@@ -66,6 +66,7 @@ class CallbackHandler(TrainerCallback):
         self.callbacks: list[TrainerCallback] = []
         for cb in callbacks or []:
             self.add_callback(cb)
+        self._warn_without_flow()
         self.model = model
         self.processing_class = processing_class
         self.optimizer = optimizer
@@ -91,6 +92,15 @@ class CallbackHandler(TrainerCallback):
 
     def remove_callback(self, callback) -> None:
         self.pop_callback(callback)
+        self._warn_without_flow()
+
+    def _warn_without_flow(self) -> None:
+        """As HF: without DefaultFlowCallback nothing logs, evaluates, saves or stops at max_steps."""
+        if not any(getattr(cb, "drives_the_loop", False) for cb in self.callbacks):
+            logger.warning("The Trainer will not work properly if you don't have a `DefaultFlowCallback` in its "
+                           "callbacks. You should add one before training with "
+                           "`trainer.add_callback(DefaultFlowCallback)`. The current list of callbacks is:\n%s",
+                           self.callback_list)
 
     @property
     def callback_list(self) -> str:

@@ -8,6 +8,8 @@ from .base import TrainerCallback
 class DefaultFlowCallback(TrainerCallback):
     """HF's default flow: log, evaluate and save every N steps or each epoch, stop at max_steps."""
 
+    drives_the_loop = True  # CallbackHandler warns when no callback does
+
     def on_step_end(self, args, state, control, **kwargs):
         step = state.global_step
         if step == 1 and args.logging_first_step:

@@ -176,6 +176,40 @@ class LoaderSource:
         return {"kind": self.kind, "batch_size": self.batch_size, "world_size": self.world_size}
 
 
+class RankLoader(torch.utils.data.DataLoader):
+    """What get_train_dataloader / get_eval_dataloader return: a torch DataLoader, as HF's (dataset,
+    batch_size, drop_last, num_workers, persistent_workers, sampler, len(), iteration), whose batches
+    are this rank's of a raytrain source; torch's samplers and workers are never run. Any other
+    attribute (iter_batches, num_samples, state ...) is the source's, so the loop resumes it exactly."""
+
+    def __init__(self, source: Any, dataset: Any, num_workers: int = 0, persistent_workers: bool = False):
+        pool = getattr(source, "loader_kwargs", None) or {}  # a WorkerPool's DataLoader settings
+        workers = {} if not num_workers else {k: pool[k] for k in ("multiprocessing_context", "prefetch_factor")
+                                              if pool.get(k) is not None}
+        super().__init__(dataset, batch_size=getattr(source, "batch_size", None) or 1,
+                         drop_last=bool(getattr(source, "drop_last", False)), pin_memory=pool.get("pin_memory", False),
+                         num_workers=num_workers, persistent_workers=persistent_workers and num_workers > 0, **workers)
+        self.__dict__["source"] = source
+        self.epoch = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["source"], name)
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __iter__(self) -> Iterator[dict]:
+        return iter(self.source.iter_batches(self.epoch))
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    @property
+    def total_batch_size(self) -> int:
+        """The batch of all ranks together (accelerate's name)."""
+        return self.source.batch_size * self.source.world_size
+
+
 class _Batches(torch.utils.data.Dataset):
     """Batch i of an epoch from position `start`: what a DataLoader worker reads and collates."""
 

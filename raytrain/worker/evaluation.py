@@ -35,7 +35,8 @@ def evaluation_loop(trainer: TrainerProtocol, source, description: str, predicti
     else:  # not prepared by train(): HF times the preparation once and reports it with every evaluation
         prep = time.perf_counter()
         model = trainer.model.to(strategy.device)
-        if trainer.model_preparation_time is None:
+        # A driver whose workers trained (global_step > 0) did not prepare the model for evaluation alone.
+        if trainer.model_preparation_time is None and trainer.state.global_step == 0:
             trainer.model_preparation_time = round(time.perf_counter() - prep, 4)
     cb = trainer.callback_handler
     cb.eval_dataloader = source
@@ -63,11 +64,10 @@ def evaluation_loop(trainer: TrainerProtocol, source, description: str, predicti
         if want_preds and logits is not None:
             if trainer.preprocess_logits_for_metrics is not None:
                 logits = trainer.preprocess_logits_for_metrics(logits, label)
-            logits, label = _to_cpu(logits, float_=True), _to_cpu(label)
-            if batch_metrics:
-                metrics = trainer.compute_metrics(EvalPrediction(_numpy(logits), _numpy(label)),
-                                                  compute_result=last)
-            else:
+            if batch_metrics and label is not None:  # as HF: this batch's tensors, where the model left them
+                metrics = trainer.compute_metrics(EvalPrediction(logits, label), compute_result=last)
+            if not batch_metrics or description == "predict":  # HF keeps predict()'s predictions
+                logits, label = _to_cpu(logits, float_=True), _to_cpu(label)
                 preds.append(logits)
                 if label is not None:
                     labels.append(label)

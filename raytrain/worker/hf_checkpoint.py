@@ -216,28 +216,8 @@ def read_files(run: RunState, saved: SavedState) -> None:
     saved.weights = tie_missing(ckpt.load_weights(saved.path), run.trainer.model)
     saved.optimizer = strategy.read_optimizer_state(saved.path)
     saved.scheduler = ckpt.load_pickle(file(run_state.SCHEDULER))
-    if isinstance(saved.optimizer, tuple) and saved.optimizer[0] == "optimizer.pt":
-        state, saved.scheduler = _fit_groups(saved.optimizer[1], saved.scheduler, run.trainer.optimizer)
-        saved.optimizer = (saved.optimizer[0], state)
     rng = file(run_state.rng_file(strategy))
     saved.rng = _read_rng(rng) if os.path.exists(rng) else None
-
-
-def _fit_groups(state: Any, schedule: Any, optimizer: Any) -> tuple[Any, Any]:
-    """HF's Trainer always makes two parameter groups (decayed, not decayed); raytrain makes one of the
-    same parameters in the same order when weight_decay is 0: HF's groups, alike but for their
-    parameters, become that one, and the schedule's per-group lists one entry (anything else is left
-    for load_state_dict to refuse)."""
-    groups = state.get("param_groups") if isinstance(state, dict) else None
-    if not groups or len(groups) < 2 or optimizer is None or len(optimizer.param_groups) != 1:
-        return state, schedule
-    settings = [{k: v for k, v in g.items() if k != "params"} for g in groups]
-    if any(s != settings[0] for s in settings):
-        return state, schedule
-    if isinstance(schedule, dict):
-        schedule = {k: v[:1] if isinstance(v, list) and len(v) == len(groups) and all(x == v[0] for x in v) else v
-                    for k, v in schedule.items()}
-    return {**state, "param_groups": [{**settings[0], "params": [i for g in groups for i in g["params"]]}]}, schedule
 
 
 def _read_rng(path: str) -> dict:

@@ -46,7 +46,7 @@ import torch
 from .. import adapters
 from .. import checkpoint as ckpt
 from . import elastic, neftune, resume, run_state, tokens
-from ..data.columns import check_same_schema, count_items, is_named_datasets
+from ..data.columns import check_same_schema, is_named_datasets
 from ..data.loaders import LoaderSource, check_iterable_training, num_batches
 from ..optim import scheduler_needs_metric
 from .run_state import RunState
@@ -142,7 +142,7 @@ def _setup(trainer: TrainerProtocol) -> RunState:
     log_s, eval_s, save_s = args.resolve_steps(max_steps)
     trainer.state = TrainerState(
         max_steps=max_steps, logging_steps=log_s, eval_steps=eval_s, save_steps=save_s,
-        train_batch_size=args.per_device_train_batch_size, num_train_epochs=epochs,
+        train_batch_size=trainer._train_batch_size, num_train_epochs=epochs,
         is_local_process_zero=strategy.local_rank == 0, is_world_process_zero=strategy.is_main,
         is_hyper_param_search=trainer.trial_name is not None, trial_name=trainer.trial_name,
         trial_params=trainer.trial_params,
@@ -214,11 +214,13 @@ def _train_step(run: RunState, window: list[dict]) -> None:
     if len(window) > 1 or strategy.world_size > 1 or trainer.loss_needs_num_items():
         # Normalise by the items of the whole update step (all micro-batches, all ranks); with one
         # micro-batch on one rank the weight is exactly 1 and the count is skipped.
-        items = sum(count_items(b) for b in window)
+        counts = [trainer.count_loss_items(b) for b in window]
+        items = sum(counts) if all(c is not None for c in counts) else None  # None: the model's own loss
         if count is not None and strategy.world_size > 1:  # the ranks' tokens ride in the same all_reduce
-            num_items, seen = tokens.reduce_counts(strategy, items, seen)
+            reduced, seen = tokens.reduce_counts(strategy, items, seen)
+            num_items = reduced if items is not None else None
             run.tokens_pending = seen if run.tokens_pending is None else run.tokens_pending + seen
-        else:
+        elif items is not None:
             num_items = strategy.all_reduce(items)
     if count is not None and strategy.world_size == 1:
         state.num_input_tokens_seen += seen
@@ -289,7 +291,7 @@ def _log_evaluate_save(run: RunState, trial, epoch_finished: bool = False) -> No
         trainer.log(logs)
     metrics = None
     if control.should_evaluate:
-        metrics = trainer.evaluate(ignore_keys=trainer.ignore_keys_for_eval)
+        metrics = trainer._evaluate(trial, trainer.ignore_keys_for_eval)  # HF's override point
         _update_best(trainer, metrics)
         if trainer.args.save_strategy == "best":
             control.should_save = state.best_global_step == state.global_step
@@ -320,8 +322,6 @@ def _skip_save(run: RunState) -> bool:
 
 def _update_best(trainer: TrainerProtocol, metrics: dict) -> None:
     args, state = trainer.args, trainer.state
-    if scheduler_needs_metric(trainer.lr_scheduler):
-        trainer.lr_scheduler.step(metrics[_metric_key(args.metric_for_best_model or "loss")])
     if not args.metric_for_best_model:
         return
     key = _metric_key(args.metric_for_best_model)

@@ -40,6 +40,8 @@ class TrainerProtocol(Protocol):
     trial_name: str | None                      # set by a sweep: the TrainerState names the trial
     trial_params: dict | None
     model_preparation_time: float | None        # HF's: set by the first evaluation of an unprepared model
+    _train_batch_size: int                      # HF's: training's per-device batch (auto_find_batch_size
+                                                # lowers it; a resume of such a run takes the checkpoint's)
 
     # -- HF's overridable methods, called as HF's Trainer calls them
     def get_train_dataloader(self) -> Any: ...
@@ -71,6 +73,16 @@ class TrainerProtocol(Protocol):
 
     def is_world_process_zero(self) -> bool: ...
 
+    # -- HF's underscore override points (its subclasses and tests patch them; raytrain/trainer_hf.py)
+    def _evaluate(self, trial: Any, ignore_keys_for_eval: list[str] | None, skip_scheduler: bool = False) -> dict:
+        """An evaluation during training: evaluate(), then a metric-driven schedule steps on it."""
+
+    def _load_callback_state(self) -> None:
+        """Callbacks and TrainerControl back from state.stateful_callbacks (a resume)."""
+
+    def compare_trainer_and_checkpoint_args(self, training_args: Any, trainer_state: TrainerState) -> None:
+        """HF's warning naming the steps and batch size a resumed checkpoint had otherwise."""
+
     # -- named hooks
     def get_strategy(self) -> Strategy:
         """This process's backend, created from args on first use."""
@@ -88,8 +100,12 @@ class TrainerProtocol(Protocol):
     def loss_needs_num_items(self) -> bool:
         """Whether compute_loss needs num_items_in_batch even for one micro-batch on one rank."""
 
+    def count_loss_items(self, inputs: dict) -> Any:
+        """A batch's loss items as HF counts them (a tensor; None without labels): summed into
+        num_items_in_batch."""
+
     def current_learning_rate(self) -> float:
-        """The rate the last optimizer step used (logged as learning_rate)."""
+        """The rate the last optimizer step used (logged as learning_rate): HF's _get_learning_rate."""
 
     def report_to_trial(self, trial: Any, metrics: dict, checkpoint_dir: str | None = None) -> None:
         """An evaluation's metrics, and the checkpoint saved with them, to a sweep's trial."""

@@ -27,7 +27,7 @@ import torch
 
 from .. import adapters, hf
 from .. import checkpoint as ckpt
-from ..state import TrainerControl, TrainerState
+from ..state import TrainerState
 
 if TYPE_CHECKING:
     from .protocol import TrainerProtocol
@@ -80,19 +80,14 @@ def load_trainer_state(run: RunState, saved: TrainerState) -> None:
     """The saved progress, with this run's plan (max_steps, intervals, trial ...) kept; callbacks'
     attributes always come back, so a resumed run decides as the uninterrupted one would."""
     trainer, fresh = run.trainer, run.trainer.state
+    if trainer.is_world_process_zero():
+        trainer.compare_trainer_and_checkpoint_args(trainer.args, saved)  # HF's warning
     for name in ("max_steps", "logging_steps", "eval_steps", "save_steps", "train_batch_size",
                  "num_train_epochs", "is_local_process_zero", "is_world_process_zero",
                  "is_hyper_param_search", "trial_name", "trial_params"):
         setattr(saved, name, getattr(fresh, name))
     trainer.state = saved
-    stateful = dict(saved.stateful_callbacks)
-    control = stateful.pop("TrainerControl", None)
-    if trainer.args.restore_callback_states_from_checkpoint:  # as HF: rebuilt with the saved arguments
-        trainer.callback_handler.rebuild_from_states(stateful)
-        if control is not None:
-            trainer.control = TrainerControl(**control.get("args", {}))
-    else:
-        trainer.callback_handler.restore_states(stateful)
+    trainer._load_callback_state()  # HF's override point: callbacks and TrainerControl from the state
     run.last_saved = saved.global_step
 
 

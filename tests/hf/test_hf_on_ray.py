@@ -46,3 +46,18 @@ def test_hf_classification_script_on_two_ray_workers(ray_cluster, tmp_path):
     batch = tok(["a short sentence, with a comma"], return_tensors="pt")
     with torch.no_grad():
         torch.testing.assert_close(reloaded(**batch).logits, trainer.model(**batch).logits)
+
+    # evaluate() / predict() on the driver after the workers trained: HF's keys, without
+    # {prefix}_model_preparation_time (HF adds it only for a model prepared for evaluation alone)
+    import transformers
+
+    ours = (set(trainer.evaluate()), set(trainer.predict(ds["test"]).metrics))
+    hf_args = transformers.TrainingArguments(str(tmp_path / "hf"), per_device_train_batch_size=8, max_steps=4,
+                                             learning_rate=1e-3, save_strategy="no", report_to="none", use_cpu=True,
+                                             disable_tqdm=True)
+    hf = transformers.Trainer(model=BertForSequenceClassification(corpus.bert_config(len(tok))), args=hf_args,
+                              train_dataset=ds["train"], eval_dataset=ds["test"], data_collator=DataCollatorWithPadding(tok),
+                              processing_class=tok, compute_metrics=compute_metrics)
+    hf.train()
+    assert ours == (set(hf.evaluate()), set(hf.predict(ds["test"]).metrics))
+    assert "eval_model_preparation_time" not in ours[0] and "test_model_preparation_time" not in ours[1]

@@ -1,6 +1,6 @@
 """The written contract between the worker and the Trainer (worker/protocol.py) holds for raytrain's
 Trainer: every member exists, methods take the Protocol's parameters, and the worker and driver call
-nothing of the Trainer beyond it (no reaching into its underscore names)."""
+nothing of the Trainer beyond it (its underscore names only where the Protocol lists HF's override points)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 def _members() -> tuple[set[str], set[str]]:
     attributes = set(typing.get_type_hints(TrainerProtocol, include_extras=False, localns=_types()))
-    methods = {n for n, v in vars(TrainerProtocol).items() if inspect.isfunction(v) and not n.startswith("_")}
+    # HF's underscore override points (_evaluate ...) are members too; dunders are not
+    methods = {n for n, v in vars(TrainerProtocol).items() if inspect.isfunction(v) and not n.startswith("__")}
     return attributes, methods
 
 
