@@ -31,9 +31,9 @@ def _cli(argv: list[str], env: dict | None = None, timeout: float = 280) -> subp
     return proc
 
 
-def _shown(snippet: str) -> list[str]:
+def _shown(path: str) -> list[str]:
     """The raytrain.run command of a docs snippet, as argv after `python -m raytrain.run`."""
-    with open(os.path.join(ROOT, "docs", "snippets", snippet)) as f:
+    with open(path) as f:
         [line] = [ln for ln in f.read().splitlines() if ln.startswith("python -m raytrain.run")]
     return shlex.split(line)[3:]
 
@@ -94,7 +94,8 @@ def test_the_example_on_two_ray_workers(ray_cluster, tmp_path):
 
     out = tmp_path / "lora-2"
     env = {"RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
-    proc = _cli([*_shown("llm_workers.sh"), "--set", f"output_dir={out}", *SMALL], env)
+    shown = _shown(os.path.join(ROOT, "docs", "snippets", "llm_workers.sh"))
+    proc = _cli([*shown, "--set", f"output_dir={out}", *SMALL], env)
     assert "| 2 processes (ddp) |" in proc.stdout + proc.stderr
     losses = _eval_losses(out)
     assert [s for s, _ in losses] == [0, 4, 8, 8] and losses[-1][1] < losses[0][1]
@@ -110,7 +111,8 @@ def test_the_lora_sweep_runs_two_trials(ray_cluster, tmp_path):
 
     out = tmp_path / "lora"
     env = {"RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
-    proc = _cli([*_shown("llm_sweep.sh"), "--set", f"output_dir={out}", "--set", "search.num_samples=2", *SMALL], env)
+    shown = _shown(os.path.join(ROOT, "docs", "snippets", "llm_sweep.sh"))
+    proc = _cli([*shown, "--set", f"output_dir={out}", "--set", "search.num_samples=2", *SMALL], env)
     table = pd.read_csv(out / "sweeps" / "lora" / "trials.csv")
     assert len(table) == 2 and set(table["model.r"]) <= {4, 8, 16}
     assert table["learning_rate"].between(1e-3, 3e-2).all() and all(math.isfinite(v) for v in table["objective"])
