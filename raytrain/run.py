@@ -89,11 +89,13 @@ def build_job(args: TrainingArguments) -> dict[str, Any]:
         raise ConfigError(f"data: {args.data.factory} rejected its arguments ({e})") from None
     if isinstance(datasets, dict) and "train" in datasets:
         job["train_dataset"], job["eval_dataset"] = datasets["train"], datasets.get("eval")
+        if datasets.get("processing_class") is not None:  # a tokenizer: final/ saves it beside the model
+            job["processing_class"] = datasets["processing_class"]
     elif isinstance(datasets, (tuple, list)) and len(datasets) == 2:
         job["train_dataset"], job["eval_dataset"] = datasets
     else:
         raise ConfigError(f"data.factory: {args.data.factory} must return (train, eval) or "
-                          "{'train': ..., 'eval': ...}")
+                          "{'train': ..., 'eval': ..., 'processing_class': ... (optional)}")
     for split in ("train", "eval"):  # a data.collator may take any item; the default one takes dicts
         if not args.data.collator:
             _check_items(job[f"{split}_dataset"], f"data.factory: {args.data.factory} returned a {split} dataset")

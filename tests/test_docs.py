@@ -35,10 +35,11 @@ RUN = {
     "cli.sh": ["--set", "max_steps=20", "--no-report"],
     "resume.sh": ["--no-report"],                  # 45 + 45 + 45 digits steps
     "chargpt.sh": ["--set", "max_steps=2", "--no-report"],
+    "llm.sh": ["--set", "max_steps=2", "--no-report"],
     "sweep_report.sh": [],                         # on a sweep directory laid out as Ray Tune writes it
     "tracking.sh": ["--set", "max_steps=20", "--no-report"],  # `mlflow ui`, a server: the store it opens is read
     "quickstart.py": [], "concepts.py": [], "checkpoints.py": [], "data_files.py": [],
-    "hf_switch.py": [], "hf_dataclass.py": [],
+    "hf_switch.py": [], "hf_dataclass.py": [], "llm.py": [],
 }
 # snippet -> the Ray test that runs it (read from the snippet, with the overrides it adds); the Ray tests
 # share the session's cluster, so the snippet is run there rather than here
@@ -46,6 +47,8 @@ RUN_BY_RAY_TEST = {
     "sweep.sh": ("tests/sweep/test_search.py", "--set search.num_samples=2"),
     "distributed.sh": ("tests/driver/test_quiet.py", "--set max_steps=10"),
     "sweep.py": ("tests/sweep/test_search.py", "n_trials=2, max_steps=20"),
+    "llm_workers.sh": ("tests/hf/test_lora_example.py", "8 steps of 8 blocks of 32 bytes"),
+    "llm_sweep.sh": ("tests/hf/test_lora_example.py", "--set search.num_samples=2, 8 steps"),
 }
 # snippet -> why it is only checked
 CHECKED = {
@@ -192,7 +195,7 @@ def test_quickstart_runs_in_a_shell(workdir):
     assert (workdir / "runs/digits/plots/overview.png").is_file()
 
 
-@pytest.mark.parametrize("name", ["cli.sh", "resume.sh", "chargpt.sh"])
+@pytest.mark.parametrize("name", ["cli.sh", "resume.sh", "chargpt.sh", "llm.sh"])
 def test_cli_snippet_runs(name, workdir, capsys):
     outputs = [_run_in_process(w, RUN[name], capsys) for w in _commands(_read("docs", "snippets", name))]
     if name == "cli.sh":
@@ -200,6 +203,10 @@ def test_cli_snippet_runs(name, workdir, capsys):
     if name == "resume.sh":
         assert [45, 90, 135] == [int(re.search(r'"global_step": (\d+)', o).group(1)) for o in outputs]
         assert "resuming at step 45" in outputs[1] and "resuming at step 90" in outputs[2]
+    if name == "llm.sh":
+        assert '"global_step": 2' in outputs[0]
+        assert (workdir / "runs/lora/final/adapter_model.safetensors").is_file()
+        assert (workdir / "runs/lora/final/merged/model.safetensors").is_file()
 
 
 def test_sweep_report_runs(workdir, capsys):
@@ -242,6 +249,9 @@ def test_python_snippet_runs(name, workdir, capsys):
     if name == "quickstart.py":
         assert (workdir / "runs/digits-py/final/model.safetensors").is_file()
         assert "eval_accuracy" in capsys.readouterr().out
+    if name == "llm.py":
+        assert (workdir / "runs/lora-py/final/adapter_config.json").is_file()
+        assert "PeftModelForCausalLM LlamaForCausalLM" in capsys.readouterr().out
     if name == "checkpoints.py":
         assert sorted(os.listdir(workdir / "runs/ckpt")) >= ["checkpoint-40", "checkpoint-60"]
 

@@ -1,0 +1,1 @@
+python -m raytrain.run --config examples/lora.yaml --set scaling.num_workers=2 --set output_dir=runs/lora-2w
