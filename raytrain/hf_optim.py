@@ -4,6 +4,7 @@ so that they need no transformers. transformers is imported only for a name that
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
@@ -46,10 +47,20 @@ def optimizer_cls_and_kwargs(args: Any, model: nn.Module | None = None) -> tuple
     return Trainer.get_optimizer_cls_and_kwargs(_HFArgs(args), model)
 
 
+#: Classes in an optimizer's state (plain data and tensors) that checkpoint.load_pickle's weights_only must accept.
+_STATE_CLASSES = {"galore_torch": ("galore_torch.galore_projector", "GaLoreProjector"),
+                  "apollo_torch": ("apollo_torch.random_projector", "GradientProjector")}
+
+
 def create_optimizer(model: nn.Module, args: Any) -> torch.optim.Optimizer:
     """The optimizer ``args.optim`` names over `model`'s parameters, built as HF's Trainer builds it."""
     cls, kwargs = optimizer_cls_and_kwargs(args, model)
-    return build_optimizer(cls, kwargs, model, args.weight_decay)
+    optimizer = build_optimizer(cls, kwargs, model, args.weight_decay)
+    state_class = _STATE_CLASSES.get(cls.__module__.split(".")[0])
+    if state_class is not None:  # GaLore / APOLLO keep their projectors in the state: resumable
+        module, name = state_class
+        torch.serialization.add_safe_globals([getattr(importlib.import_module(module), name)])
+    return optimizer
 
 
 def create_scheduler(optimizer: torch.optim.Optimizer, args: Any, num_training_steps: int) -> Any:

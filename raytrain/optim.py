@@ -12,6 +12,7 @@ import inspect
 import math
 import warnings
 from functools import partial
+from types import MethodType
 from typing import Any
 
 import torch
@@ -105,11 +106,11 @@ def build_optimizer(cls: Any, kwargs: dict[str, Any], model: nn.Module, weight_d
             if isinstance(module, nn.Embedding):
                 manager.register_module_override(module, "weight", {"optim_bits": 32})
     if hasattr(optimizer, "fused_backward"):  # LOMO updates the weights in its backward; step is a no-op
-        optimizer.step = _no_step
+        optimizer.step = MethodType(_no_step, optimizer)  # bound: LR schedulers wrap step.__func__
     return optimizer
 
 
-def _no_step(closure: Any = None) -> None:
+def _no_step(self: torch.optim.Optimizer, closure: Any = None) -> None:
     return None
 
 
