@@ -7,6 +7,8 @@ from __future__ import annotations
 import importlib.util
 import os
 import re
+import subprocess
+import sys
 import warnings
 
 import numpy as np
@@ -201,3 +203,33 @@ def test_a_stopped_run_resumes_bit_exact(name, tmp_path):
     assert all(torch.equal(ref_w[k], got_w[k]) for k in ref_w)
     assert history(resumed) == history(ref)  # losses, grad norms, rates and evaluations: bitwise equal
     assert sum(h[0] is not None for h in history(ref)) == 8 and sum(h[3] is not None for h in history(ref)) >= 2
+
+
+# ---- the CLI: the refusal before any work, and torch's names without transformers ------------------------
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_the_cli_refuses_a_missing_library_with_exit_2_before_torch_is_imported(tmp_path):
+    probe = ("import runpy, sys\n"
+             "sys.argv = ['raytrain.run', *sys.argv[1:]]\n"
+             "try:\n    runpy.run_module('raytrain.run', run_name='__main__')\n"
+             "except SystemExit as e:\n"
+             "    print(e.code, sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", probe, "--config", "examples/digits.yaml", "--set",
+                           f"output_dir={tmp_path / 'o'}", "--set", "optim=adamw_torch_xla"], cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": ROOT}, capture_output=True, text=True, timeout=120)
+    assert done.stderr.strip() == "error: optim: adamw_torch_xla needs torch-xla, which is not installed; pip install torch-xla"
+    assert done.stdout.split("\n")[0] == "2 []"
+    assert not os.path.exists(tmp_path / "o")
+
+
+def test_torch_names_build_without_importing_transformers():
+    probe = ("import sys, torch\n"
+             "from raytrain import TrainingArguments, create_optimizer\n"
+             "for name in ('adamw_torch_fused', 'sgd', 'adagrad', 'rmsprop'):\n"
+             "    create_optimizer(torch.nn.Linear(2, 2), TrainingArguments('o', optim=name, report_to='none'))\n"
+             "print('transformers' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
+                          capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "False", done.stderr[-2000:]
