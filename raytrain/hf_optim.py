@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.optim.lr_scheduler import LRScheduler
 
 from .optim import (build_optimizer, create_scheduler as _torch_schedule, merge_optim_args,
                     torch_optimizer_cls_and_kwargs)
@@ -65,14 +66,28 @@ def create_optimizer(model: nn.Module, args: Any) -> torch.optim.Optimizer:
 
 def create_scheduler(optimizer: torch.optim.Optimizer, args: Any, num_training_steps: int) -> Any:
     """raytrain.optim's schedule; for a layer-wise optimizer (GaLore / APOLLO) one per parameter's optimizer,
-    stepped in the parameter's gradient hook as HF's get_scheduler does, behind transformers' dummy."""
+    stepped in the parameter's gradient hook as HF's get_scheduler does."""
     inner = getattr(optimizer, "optimizer_dict", None)
     if inner is None:
         return _torch_schedule(optimizer, args, num_training_steps)
-    from transformers.trainer_pt_utils import LayerWiseDummyScheduler
-
     schedules = {param: _torch_schedule(opt, args, num_training_steps) for param, opt in inner.items()}
     for param in inner:
         if param.requires_grad:
             param.register_post_accumulate_grad_hook(lambda p: schedules[p].step())
-    return LayerWiseDummyScheduler(optimizer_dict=inner, lr=optimizer.defaults["lr"])
+    return _LayerWiseSchedule(optimizer, schedules)
+
+
+class _LayerWiseSchedule(LRScheduler):
+    """HF's LayerWiseDummyScheduler, which torch 2.13 refuses (it gives one rate per parameter to an
+    optimizer of one group): the rate of the first parameter's schedule, the one logged."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, schedules: dict):
+        self.schedules = schedules
+        super().__init__(optimizer)
+
+    def get_lr(self) -> list[float]:
+        rate = next(iter(self.schedules.values())).get_last_lr()[0]
+        return [rate for _ in self.optimizer.param_groups]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k not in ("optimizer", "schedules")}

@@ -166,9 +166,10 @@ def test_without_transformers_torch_names_build_torch_classes(tmp_path, without)
 def make_trainer(out, optim: str, *, init_seed: int = 0, callbacks=(), **kw) -> Trainer:
     rng = np.random.default_rng(0)
     data = {"pixels": rng.random((24, 64), dtype=np.float32), "labels": rng.integers(0, 10, 24)}
+    kw = {"eval_strategy": "steps", "eval_steps": 3, **kw}
     args = TrainingArguments(output_dir=str(out), optim=optim, per_device_train_batch_size=4, learning_rate=0.01,
                              max_steps=8, logging_steps=1, save_steps=1, seed=0, disable_tqdm=True, report_to="none",
-                             eval_strategy="steps", eval_steps=3, **kw)
+                             **kw)
     torch.manual_seed(init_seed)  # another init: the weights must come from the checkpoint
     return Trainer(build_model(hidden_size=16, dropout=0.0), args, train_dataset=data, eval_dataset=data,
                    callbacks=list(callbacks))
@@ -233,3 +234,19 @@ def test_torch_names_build_without_importing_transformers():
     done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT},
                           capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "False", done.stderr[-2000:]
+
+
+def test_a_layerwise_optimizer_trains_each_parameter_on_its_schedule(tmp_path):
+    """GaLore layer-wise: each parameter's optimizer and schedule step in its gradient hook (HF's dummy
+    scheduler fails under torch 2.13; raytrain's reports the first parameter's rate)."""
+    pytest.importorskip("galore_torch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = make_trainer(tmp_path, "galore_adamw_layerwise", optim_target_modules="all-linear",
+                               optim_args="rank=4", save_strategy="no", eval_strategy="no")
+        before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+        trainer.train()
+    assert all(not torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())
+    rates = [h["learning_rate"] for h in trainer.state.log_history if "loss" in h]
+    assert rates == pytest.approx([0.01 * (8 - s) / 8 for s in range(8)])  # linear, per parameter
+    assert {opt.param_groups[0]["lr"] for opt in trainer.optimizer.optimizer_dict.values()} == {0.0}
