@@ -65,8 +65,10 @@ class TrainingArguments(HFArgumentMethods):
     adam_beta2: Annotated[float, Field(ge=0, lt=1)] = _f(0.999, "Adam beta2")
     adam_epsilon: Annotated[float, Field(ge=0)] = _f(1e-8, "Adam epsilon")
     max_grad_norm: Annotated[float | None, Field(ge=0)] = _f(1.0, "gradient clipping norm; null or 0 disables")
-    optim: Literal["adamw_torch", "adamw_torch_fused", "sgd", "adafactor"] = _f("adamw_torch", "optimizer")
-    optim_args: dict[str, Any] | str | None = _f(None, "extra optimizer arguments, a mapping or 'k=v,k2=v2'")
+    optim: str = _f("adamw_torch_fused", "any name of transformers' OptimizerNames, built as HF's Trainer "
+                    "builds it (torch's names without transformers; others need their library)")
+    optim_args: dict[str, Any] | str | None = _f(None, "extra optimizer arguments, a mapping or 'k=v,k2=v2' (as HF's "
+                                                 "optim_args for the names of other libraries)")
     lr_scheduler_type: _SCHEDULES = _f("linear", "learning-rate schedule")
     lr_scheduler_kwargs: dict[str, Any] | str | None = _f(
         None, "extra schedule arguments, a mapping or a JSON string", factory=dict)
@@ -200,7 +202,8 @@ class TrainingArguments(HFArgumentMethods):
         None, "NEFTune: uniform noise of +-alpha/sqrt(length x hidden size) on the input embeddings while training")
     use_liger_kernel: bool = _f(False, "not supported")
     liger_kernel_config: dict[str, bool] | None = _f(None, "not supported (use_liger_kernel)")
-    optim_target_modules: None | str | list[str] = _f(None, "not supported (no GaLore / APOLLO optimizers)")
+    optim_target_modules: None | str | list[str] = _f(
+        None, "the modules whose weights GaLore / APOLLO project: names, a regex or 'all-linear'")
     parallelism_config: Any = _f(None, "not supported (no accelerate): use the distributed section")
     dataloader_in_order: bool = _f(True, "batches always come in order (deterministic); false is not supported")
     dataloader_multiprocessing_context: Literal["fork", "spawn", "forkserver"] | None = _f(

@@ -14,7 +14,8 @@ import torch
 
 from .accelerator import Accelerator
 from .metrics import format_metrics, write_metrics
-from .optim import create_optimizer, decay_parameter_names
+from .hf_optim import optimizer_cls_and_kwargs
+from .optim import decay_parameter_names
 
 logger = logging.getLogger("raytrain.trainer")
 
@@ -106,18 +107,10 @@ class ExampleScriptMethods:
         return decay_parameter_names(model)
 
     @staticmethod
-    def get_optimizer_cls_and_kwargs(args: Any, model: torch.nn.Module | None = None) -> tuple[type, dict]:
-        """The optimizer class and keyword arguments args.optim (with optim_args) names, as create_optimizer
-        builds them."""
-        probe = torch.nn.Linear(1, 1, bias=False)
-        optimizer = create_optimizer(probe, _NoDecay(args))
-        cls = type(optimizer)
-        extra = dict(args.optim_args or {}) if isinstance(args.optim_args, dict) else {}
-        wanted = {"lr", "betas", "eps", "fused", "momentum", *extra}
-        kwargs = {k: v for k, v in optimizer.defaults.items() if k in wanted and (k != "fused" or v)}
-        if "betas" in kwargs:
-            kwargs["betas"] = tuple(kwargs["betas"])
-        return cls, kwargs
+    def get_optimizer_cls_and_kwargs(args: Any, model: torch.nn.Module | None = None) -> tuple[Any, dict]:
+        """The optimizer class and keyword arguments args.optim (with optim_args) names, as HF's Trainer
+        resolves them (transformers' own resolution for the names of other libraries)."""
+        return optimizer_cls_and_kwargs(args, model)
 
     def get_optimizer_group(self, param: str | torch.nn.Parameter | None = None):
         """The optimizer's group holding `param`, or every group's parameters, as HF."""
@@ -177,15 +170,3 @@ def _has_length(dataloader: Any) -> bool:
         return len(dataloader) is not None
     except TypeError:
         return False
-
-
-class _NoDecay:
-    """args seen with weight_decay 0 (one parameter group is enough to read the optimizer's defaults)."""
-
-    def __init__(self, args: Any):
-        self._args = args
-        self.weight_decay = 0.0
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._args, name)
-

@@ -13,6 +13,7 @@ import math
 import re
 import warnings
 from functools import partial
+from types import MethodType
 from typing import Any
 
 import torch
@@ -48,28 +49,46 @@ def get_parameter_groups(model: nn.Module, weight_decay: float) -> list[dict[str
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
-def create_optimizer(model: nn.Module, args: Any) -> torch.optim.Optimizer:
-    """Build the optimizer named by ``args.optim`` over ``get_parameter_groups``.
+def torch_optimizer_cls_and_kwargs(args: Any) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    """The class and keyword arguments of a torch-only ``args.optim`` name, as HF's Trainer resolves it
+    (adafactor here is torch's: transformers' own is used where transformers is installed).
 
-    ``args.optim_args`` is merged over the defaults taken from ``args``.
+    ``args.optim_args`` is merged over them: any argument of the class, where HF reads a few or none.
     """
-    groups = get_parameter_groups(model, args.weight_decay)
-    adam = {"lr": args.learning_rate, "betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon}
+    lr = {"lr": args.learning_rate}
+    adam = {**lr, "betas": (args.adam_beta1, args.adam_beta2), "eps": args.adam_epsilon}
     choices = {
         "adamw_torch": (torch.optim.AdamW, adam),
         "adamw_torch_fused": (torch.optim.AdamW, {**adam, "fused": True}),
-        "sgd": (torch.optim.SGD, {"lr": args.learning_rate, "momentum": 0.0}),
-        # Adafactor has its own beta2 decay and eps pair; tune them through optim_args.
-        "adafactor": (torch.optim.Adafactor, {"lr": args.learning_rate}),
+        "sgd": (torch.optim.SGD, lr),
+        "adagrad": (torch.optim.Adagrad, lr),
+        "rmsprop": (torch.optim.RMSprop, lr),
+        "adafactor": (torch.optim.Adafactor, lr),
     }
     if args.optim not in choices:
-        raise ValueError(f"optim: unknown optimizer {args.optim!r} (valid: {', '.join(choices)})")
+        raise ValueError(f"optim: {args.optim!r} is not one of torch's optimizers ({', '.join(choices)})")
     cls, kwargs = choices[args.optim]
+    return cls, merge_optim_args(cls, args, kwargs)
+
+
+def merge_optim_args(cls: type, args: Any, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``args.optim_args`` (a mapping) over `kwargs`, each key checked against `cls`'s constructor."""
     extra = dict(args.optim_args or {})
     _check_keys("optim_args", args.optim, extra, _init_keys(cls))
-    kwargs = {**kwargs, **extra}
+    return {**kwargs, **extra}
+
+
+def build_optimizer(cls: Any, kwargs: dict[str, Any], model: nn.Module, weight_decay: float) -> torch.optim.Optimizer:
+    """`cls` over ``get_parameter_groups`` with `kwargs`, as HF's create_optimizer builds it: the groups a
+    resolution made itself (GaLore's ``params``, LOMO's ``model``, a layer-wise ``optimizer_dict``) replace
+    raytrain's; bitsandbytes' 8-bit optimizers keep embeddings in 32 bits."""
+    kwargs = dict(kwargs)
+    groups: Any = get_parameter_groups(model, weight_decay)
+    for key in ("params", "model", "optimizer_dict"):  # HF's order: the last one present wins
+        if key in kwargs:
+            groups = kwargs.pop(key)
     try:
-        return cls(groups, **kwargs)
+        optimizer = cls(groups, **kwargs)
     except RuntimeError as err:
         if not kwargs.get("fused"):
             raise
@@ -77,7 +96,28 @@ def create_optimizer(model: nn.Module, args: Any) -> torch.optim.Optimizer:
         # numerically the same update, only slower.
         warnings.warn(f"fused AdamW unavailable ({err}); falling back to the default AdamW", stacklevel=2)
         kwargs.pop("fused")
-        return cls(groups, **kwargs)
+        optimizer = cls(groups, **kwargs)
+    if "bitsandbytes" in str(cls) and kwargs.get("optim_bits") == 8:
+        import bitsandbytes
+
+        manager = bitsandbytes.optim.GlobalOptimManager.get_instance()
+        for module in model.modules():
+            if isinstance(module, nn.Embedding):
+                manager.register_module_override(module, "weight", {"optim_bits": 32})
+    if hasattr(optimizer, "fused_backward"):  # LOMO updates the weights in its backward; step is a no-op
+        optimizer.step = MethodType(_no_step, optimizer)  # bound: LR schedulers wrap step.__func__
+    return optimizer
+
+
+def _no_step(self: torch.optim.Optimizer, closure: Any = None) -> None:
+    return None
+
+
+def create_optimizer(model: nn.Module, args: Any) -> torch.optim.Optimizer:
+    """Build the torch optimizer named by ``args.optim`` over ``get_parameter_groups``
+    (every other name of HF's: raytrain.hf_optim.create_optimizer)."""
+    cls, kwargs = torch_optimizer_cls_and_kwargs(args)
+    return build_optimizer(cls, kwargs, model, args.weight_decay)
 
 
 def get_lr(optimizer: torch.optim.Optimizer) -> float:

@@ -19,7 +19,8 @@ from .hf_skeleton import ExampleScriptMethods
 from .trainer_hf import HFOverridePoints
 from .metrics import MemoryTracker
 from .worker.evaluation import EvalLoopOutput, evaluation_loop
-from .optim import create_optimizer, create_scheduler, get_parameter_groups
+from .hf_optim import create_optimizer, create_scheduler
+from .optim import build_optimizer, get_lr
 from .seeding import set_seed
 from .state import PredictionOutput, TrainerControl, TrainerState, TrainOutput
 from .strategies.base import unwrap_model
@@ -264,7 +265,7 @@ class Trainer(HFOverridePoints, ExampleScriptMethods):
         if self.optimizer is None:
             if self.optimizer_cls_and_kwargs is not None:
                 cls, kwargs = self.optimizer_cls_and_kwargs
-                self.optimizer = cls(get_parameter_groups(model, self.args.weight_decay), **kwargs)
+                self.optimizer = build_optimizer(cls, kwargs, model, self.args.weight_decay)
             else:
                 self.optimizer = create_optimizer(model, self.args)
         return self.optimizer
@@ -331,10 +332,16 @@ class Trainer(HFOverridePoints, ExampleScriptMethods):
         strategy = self._strategy
         if not model.training:  # model.train() walks every module: only after an evaluation
             model.train()
+        optimizer = self.optimizer
+        if hasattr(optimizer, "train"):  # schedule-free: the weights it trains, not those it evaluates (as HF)
+            optimizer.train()
         with strategy.autocast():
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         scale = strategy.world_size if strategy.averages_gradients else 1
-        strategy.backward(loss * scale if scale != 1 else loss)
+        if hasattr(optimizer, "fused_backward"):  # LOMO updates the weights in its backward, at the current rate
+            optimizer.fused_backward(loss * scale if scale != 1 else loss, get_lr(optimizer))
+        else:
+            strategy.backward(loss * scale if scale != 1 else loss)
         return loss.detach()
 
     def prediction_step(self, model, inputs: dict, prediction_loss_only: bool, ignore_keys: list[str] | None = None):

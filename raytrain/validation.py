@@ -16,6 +16,7 @@ from pydantic import field_validator, model_validator
 
 from .config import ConfigError, StrictModel, parse_pairs, show_number, show_value
 from .hf_args import deprecated_alias
+from .optim_names import LOW_RANK, check_optim
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +49,6 @@ _HF_NOOP_WARNINGS = {
     "fsdp_config": "fsdp_config is not used; put FSDP options in distributed.fsdp",
     "include_for_metrics": "include_for_metrics is not supported; EvalPrediction holds predictions and label_ids",
     "liger_kernel_config": "liger_kernel_config is not supported; the model's own kernels are used",
-    "optim_target_modules": "optim_target_modules is not supported (no GaLore / APOLLO); optim updates every "
-                            "trainable parameter",
     "parallelism_config": "parallelism_config is not supported (no accelerate); use the distributed section "
                           "(distributed.strategy ddp, fsdp or deepspeed)",
     "dataloader_in_order": "dataloader_in_order=False is not supported; batches always come in order",
@@ -151,6 +150,13 @@ class ArgumentRules(StrictModel):
     def _none_is_zero(cls, v: Any) -> Any:
         return 0 if v is None else v  # HF's set_evaluate(delay=None)
 
+    @field_validator("optim", check_fields=False)
+    @classmethod
+    def _check_optim(cls, v: Any) -> str:
+        v = getattr(v, "value", v)  # transformers' OptimizerNames member
+        check_optim(v)
+        return v
+
     @field_validator("optim_args", check_fields=False)
     @classmethod
     def _parse_optim_args(cls, v: Any) -> Any:
@@ -249,6 +255,9 @@ class ArgumentRules(StrictModel):
             if not torch.cuda.is_available() or self.use_cpu:
                 raise ConfigError("fp16 requires a CUDA GPU (none found and scaling.use_gpu is false); use bf16 on CPU")
         self._check_elastic_batch()
+        if self.optim in LOW_RANK and self.optim_target_modules is None:
+            raise ConfigError(f"optim_target_modules: {self.optim} projects the weights of these modules; set it "
+                              f"(a list of module names, a regex or 'all-linear')")
         if self.save_strategy == "best" and self.metric_for_best_model is None:
             raise ConfigError("save_strategy='best': `args.metric_for_best_model` must be provided when using 'best' "
                               "save_strategy or if `args.load_best_model_at_end` is set to `True`")

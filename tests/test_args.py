@@ -31,7 +31,7 @@ def test_defaults_match_hugging_face():
     assert (a.per_device_train_batch_size, a.per_device_eval_batch_size) == (8, 8)
     assert (a.learning_rate, a.weight_decay, a.max_grad_norm) == (5e-5, 0.0, 1.0)
     assert (a.adam_beta1, a.adam_beta2, a.adam_epsilon) == (0.9, 0.999, 1e-8)
-    assert (a.optim, a.lr_scheduler_type) == ("adamw_torch", "linear")
+    assert (a.optim, a.lr_scheduler_type) == ("adamw_torch_fused", "linear")  # HF 5.23's with torch >= 2.8
     assert (a.logging_strategy, a.logging_steps, a.eval_strategy, a.eval_steps) == ("steps", 500, "no", None)
     assert (a.save_strategy, a.save_steps, a.save_total_limit) == ("steps", 500, None)
     assert (a.seed, a.data_seed, a.warmup_steps, a.warmup_ratio) == (42, None, 0, 0.0)

@@ -48,6 +48,8 @@ def evaluation_loop(trainer: TrainerProtocol, source, description: str, predicti
     metrics: dict[str, Any] = {}
     start = time.perf_counter()
     model.eval()
+    if hasattr(trainer.optimizer, "eval"):  # schedule-free: evaluate its averaged weights (as HF)
+        trainer.optimizer.eval()
     n_batches, n_seen = 0, 0
     for batch, last in _flag_last(source.iter_batches(0)):  # an iterable dataset's length is unknown
         n_batches += 1

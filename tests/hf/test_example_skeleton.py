@@ -328,4 +328,4 @@ def test_model_card_for_a_plain_module_and_a_card_already_there(tmp_path):
     assert "language:\n- en\nlicense: mit\ntags:\n- mine\n- kept\n- generated_from_trainer\n" in front
     assert "# plain-run\n\nThis model was trained from scratch on the digits dataset." in card
     assert "- eval_loss: " in card and "### Training results" not in card  # evaluated, never trained: as HF
-    assert "- training_steps: 2\n" in card and "- optimizer: Use adamw_torch with betas=(0.9,0.999)" in card
+    assert "- training_steps: 2\n" in card and "- optimizer: Use adamw_torch_fused with betas=(0.9,0.999)" in card

@@ -109,7 +109,6 @@ def test_process_attributes_like_hf(tmp_path):
 
 #: Shared fields whose constructed values differ from HF's, and why.
 KNOWN_DIFFERENCES = {
-    "optim": "HF 5.23 picks adamw_torch_fused; raytrain keeps adamw_torch",
     "lr_scheduler_kwargs": "raytrain normalises None to {}",
     "accelerator_config": "no accelerate here: HF builds an AcceleratorConfig",
     "debug": "HF turns '' into []",

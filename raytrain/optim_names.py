@@ -1,0 +1,84 @@
+"""transformers 5.23's `optim` names, the libraries each needs, and the one-line refusal of a name that
+cannot be built here. Light (no torch, no transformers): argument validation and the CLI's config check
+call it before any work."""
+
+from __future__ import annotations
+
+import importlib.util
+
+#: Built by raytrain itself (torch's classes, as HF's Trainer picks them), with or without transformers.
+TORCH_NAMES = ("adamw_torch", "adamw_torch_fused", "sgd", "adagrad", "rmsprop", "adafactor")
+
+_BNB = (("bitsandbytes", "bitsandbytes"),)
+_GALORE = (("galore_torch", "galore-torch"), ("bitsandbytes", "bitsandbytes"))  # galore_torch imports bnb
+_APOLLO = (("apollo_torch", "apollo-torch"),)
+_SCHEDULE_FREE = (("schedulefree", "schedulefree"),)
+
+#: Every name of transformers.training_args.OptimizerNames (5.23, its order) -> (module, pip package)
+#: of the libraries its optimizer comes from, besides torch and transformers.
+OPTIM_NAMES: dict[str, tuple[tuple[str, str], ...]] = {
+    "adamw_torch": (),
+    "adamw_torch_fused": (),
+    "adamw_torch_xla": (("torch_xla", "torch-xla"),),
+    "adamw_torch_npu_fused": (("torch_npu", "torch-npu"),),
+    "adafactor": (),
+    "adamw_anyprecision": (("torchdistx", "torchdistx"),),
+    "adamw_torch_4bit": (("torchao", "torchao"),),
+    "adamw_torch_8bit": (("torchao", "torchao"),),
+    "ademamix": _BNB,
+    "sgd": (),
+    "adagrad": (),
+    "adamw_bnb_8bit": _BNB,
+    "adamw_8bit": _BNB,
+    "ademamix_8bit": _BNB,
+    "lion_8bit": _BNB,
+    "lion_32bit": _BNB,
+    "paged_adamw_32bit": _BNB,
+    "paged_adamw_8bit": _BNB,
+    "paged_ademamix_32bit": _BNB,
+    "paged_ademamix_8bit": _BNB,
+    "paged_lion_32bit": _BNB,
+    "paged_lion_8bit": _BNB,
+    "rmsprop": (),
+    "rmsprop_bnb": _BNB,
+    "rmsprop_bnb_8bit": _BNB,
+    "rmsprop_bnb_32bit": _BNB,
+    "galore_adamw": _GALORE,
+    "galore_adamw_8bit": _GALORE,
+    "galore_adafactor": _GALORE,
+    "galore_adamw_layerwise": _GALORE,
+    "galore_adamw_8bit_layerwise": _GALORE,
+    "galore_adafactor_layerwise": _GALORE,
+    "lomo": (("lomo_optim", "lomo-optim"),),
+    "adalomo": (("lomo_optim", "lomo-optim"),),
+    "grokadamw": (("grokadamw", "grokadamw"),),
+    "schedule_free_radam": _SCHEDULE_FREE,
+    "schedule_free_adamw": _SCHEDULE_FREE,
+    "schedule_free_sgd": _SCHEDULE_FREE,
+    "apollo_adamw": _APOLLO,
+    "apollo_adamw_layerwise": _APOLLO,
+    "stable_adamw": (("optimi", "torch-optimi"),),
+}
+
+#: Names that project some weights to a low rank: they need optim_target_modules.
+LOW_RANK = tuple(name for name in OPTIM_NAMES if name.startswith(("galore_", "apollo_")))
+
+
+def installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):  # a dotted name whose parent is missing
+        return False
+
+
+def check_optim(name: str) -> None:
+    """Refuse, in one line, a name transformers does not know or whose library is not installed."""
+    if name not in OPTIM_NAMES:
+        raise ValueError(f"unknown optimizer {name!r} (valid: {', '.join(OPTIM_NAMES)})")
+    needs = list(OPTIM_NAMES[name])
+    if name not in TORCH_NAMES:  # transformers' Trainer resolves these names
+        needs.append(("transformers", "transformers"))
+    missing = list(dict.fromkeys(package for module, package in needs if not installed(module)))
+    if missing:
+        raise ValueError(f"{name} needs {' and '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
+                         f"not installed; pip install {' '.join(missing)}")
