@@ -26,7 +26,7 @@ from .build import build_source
 from .columns import default_collate
 from .errors import DataError
 from .prefetch import timed_batches
-from .sources import group_by_length, hf_order
+from .sources import MapSource, group_by_length, hf_order
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +49,8 @@ def build_loader(data: Any, batch_size: int, args: Any, **kw) -> Any:
     source = build_source(data, batch_size, length_optional=length_optional, **kw)
     if kw.get("shuffle", True) and getattr(args, "data_order", "raytrain") == "hf":
         hf_order(source)
+    elif getattr(args, "data_order", "raytrain") == "hf" and isinstance(source, MapSource):
+        source.data_order = "hf"  # in order, but each pass draws torch's DataLoader seed as HF's evaluation does
     if kw.get("shuffle", True) and grouped_by_length(args):
         group_by_length(source, batch_size * args.gradient_accumulation_steps, args.length_column_name, input_name)
     workers = getattr(args, "dataloader_num_workers", 0)
