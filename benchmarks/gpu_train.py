@@ -48,22 +48,32 @@ PEAK_BF16 = {"H100 PCIe": 756e12, "H100": 989.4e12, "H200": 989.4e12, "A100": 31
 
 
 def model_config(tiny: bool, seq: int):
-    from transformers import LlamaConfig
-
     shape = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4) if tiny else \
         dict(vocab_size=50304, hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12)
+    return llama_config(seq=seq, **shape)
+
+
+def llama_config(seq: int, tie_word_embeddings: bool = True, **shape):
+    from transformers import LlamaConfig
+
     config = LlamaConfig(**shape, num_key_value_heads=shape["num_attention_heads"], max_position_embeddings=seq,
-                         tie_word_embeddings=True)
+                         tie_word_embeddings=tie_word_embeddings)
     config._attn_implementation = "sdpa"
     return config
 
 
-def build_model(config):
+def build_model(config, lora: dict | None = None):
+    """The Llama (seed 0); with `lora` (peft's LoraConfig arguments), wrapped by get_peft_model."""
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(task_type="CAUSAL_LM", **lora))
+    return model
 
 
 def flops_per_token(config, params: int, seq: int) -> float:
@@ -110,20 +120,21 @@ class SyncCounter:
 
 class Window:
     """Marks the timed window (the GPU synchronised at both ends) and the sync-counting steps after it,
-    by the number of finished steps; shared by the three loops (each calls `step_end(n)`)."""
+    by the number of finished steps; shared by the three loops (each calls `step_end(n)`). Beside wall
+    time, the process's CPU time: on a CPU shared with other jobs it counts this run's work alone."""
 
     def __init__(self, a, device: torch.device):
         self.a, self.device, self.counter = a, device, SyncCounter(device)
-        self.t0 = self.t1 = None
+        self.t0 = self.t1 = self.c0 = self.c1 = None
 
     def step_end(self, n: int) -> None:
         a = self.a
         if n == a.warmup:
             sync(self.device)
-            self.t0 = time.perf_counter()
+            self.t0, self.c0 = time.perf_counter(), time.process_time()
         elif n == a.warmup + a.steps:
             sync(self.device)
-            self.t1 = time.perf_counter()
+            self.t1, self.c1 = time.perf_counter(), time.process_time()
             self.counter.start()
         elif n == a.warmup + a.steps + a.sync_steps:
             self.counter.stop()
@@ -132,6 +143,7 @@ class Window:
         seconds = self.t1 - self.t0
         on = self.device.type == "cuda"
         return {"tokens_per_s": tokens_per_step * self.a.steps / seconds, "step_ms": seconds / self.a.steps * 1e3,
+                "tokens_per_cpu_s": tokens_per_step * self.a.steps / (self.c1 - self.c0),
                 "syncs_per_step": self.counter.count / self.a.sync_steps if on else None,
                 "sync_sites": dict(self.counter.sites.most_common(6)) if on else None}
 
@@ -143,10 +155,17 @@ def total_steps(a) -> int:
 # ---------------------------------------------------------------- the three loops
 
 
+# What the three share beyond `a`'s sizes: a.bf16 (autocast over fp32 weights), a.optim ("adamw_torch" or
+# "adamw_torch_fused"), a.lora (None or LoraConfig's arguments), a.ckpt (activation checkpointing), and
+# a.logging_steps (the Trainers log the loss, the hand loop reads it, that often).
+
+
 def hand_loop(a, config, ids, device, out) -> dict:
-    model = build_model(config).to(device)
+    model = build_model(config, a.lora).to(device)
+    if a.ckpt:
+        model.activation_checkpointing_enable()
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=0.0, fused=device.type == "cuda")
+    opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=0.0, fused=a.optim == "adamw_torch_fused" or None)
     n = total_steps(a)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 - s / n)
     window = Window(a, device)
@@ -154,13 +173,15 @@ def hand_loop(a, config, ids, device, out) -> dict:
     model.train()
     for step in range(n):
         x = host[step * a.batch:(step + 1) * a.batch].to(device, non_blocking=True)
-        with torch.autocast(device.type, dtype=torch.bfloat16):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=a.bf16):
             loss = model(input_ids=x, labels=x).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
+        if (step + 1) % a.logging_steps == 0:
+            loss.item()
         window.step_end(step + 1)
     return window.result(a.batch * a.seq)
 
@@ -176,10 +197,10 @@ class _Window(TrainerCallback):
 def raytrain_loop(a, config, ids, device, out) -> dict:
     window = Window(a, device)
     args = TrainingArguments(output_dir=out, max_steps=total_steps(a), per_device_train_batch_size=a.batch,
-                             learning_rate=a.lr, weight_decay=0.0, bf16=True, optim=fused(device),
-                             logging_steps=10**9, save_strategy="no", disable_tqdm=True, report_to="none",
-                             use_cpu=device.type != "cuda", seed=0)
-    quiet(Trainer(build_model(config), args, train_dataset={"input_ids": ids, "labels": ids},
+                             learning_rate=a.lr, weight_decay=0.0, bf16=a.bf16, optim=a.optim,
+                             activation_checkpointing=a.ckpt, logging_steps=a.logging_steps, save_strategy="no",
+                             disable_tqdm=True, report_to="none", use_cpu=device.type != "cuda", seed=0)
+    quiet(Trainer(build_model(config, a.lora), args, train_dataset={"input_ids": ids, "labels": ids},
                   callbacks=[_Window(window)])).train()
     return window.result(a.batch * a.seq)
 
@@ -202,10 +223,41 @@ def hf_loop(a, config, ids, device, out) -> dict:
 
     args = transformers.TrainingArguments(
         output_dir=out, max_steps=total_steps(a), per_device_train_batch_size=a.batch, learning_rate=a.lr,
-        weight_decay=0.0, bf16=True, optim=fused(device), logging_steps=10**9, save_strategy="no",
-        disable_tqdm=True, report_to="none", use_cpu=device.type != "cuda", seed=0)
-    transformers.Trainer(build_model(config), args, train_dataset=Rows(), callbacks=[HFWindow()]).train()
+        weight_decay=0.0, bf16=a.bf16, optim=a.optim, activation_checkpointing=a.ckpt, logging_steps=a.logging_steps,
+        save_strategy="no", disable_tqdm=True, report_to="none", use_cpu=device.type != "cuda", seed=0)
+    hf_quiet(transformers.Trainer(build_model(config, a.lora), args, train_dataset=Rows(), callbacks=[HFWindow()])).train()
     return window.result(a.batch * a.seq)
+
+
+def hf_quiet(trainer):
+    """transformers' Trainer without its printer (raytrain's runs without it too: `quiet`)."""
+    import transformers
+
+    trainer.remove_callback(transformers.trainer_callback.PrinterCallback)
+    return trainer
+
+
+def compare_loops(a, config, ids, device, tmp) -> dict:
+    """The hand loop, raytrain and HF --rounds times, their order rotated each round so that drift on a
+    shared machine hits all alike; per loop the median tokens/s (wall and CPU) and each round's."""
+    loops = {"hand": hand_loop, "raytrain": raytrain_loop, "hf": hf_loop}
+    runs: dict[str, list[dict]] = {k: [] for k in loops}
+    names = list(loops)
+    for i in range(a.rounds):
+        for name in names[i % 3:] + names[:i % 3]:
+            runs[name].append(loops[name](a, config, ids, device, os.path.join(tmp, name)))
+            release(device)
+    fpt = flops_per_token(config, sum(p.numel() for p in build_model(config).parameters()), a.seq)
+    peak = peak_flops(torch.cuda.get_device_name(), a.peak_tflops) if device.type == "cuda" else None
+    result = {}
+    for name, rs in runs.items():
+        tps = statistics.median(r["tokens_per_s"] for r in rs)
+        result[name] = {"tokens_per_s": tps, "mfu": tps * fpt / peak if peak else None,
+                        "tokens_per_cpu_s": statistics.median(r["tokens_per_cpu_s"] for r in rs),
+                        "tokens_per_s_rounds": [r["tokens_per_s"] for r in rs],
+                        "tokens_per_cpu_s_rounds": [r["tokens_per_cpu_s"] for r in rs],
+                        "syncs_per_step": rs[-1]["syncs_per_step"], "sync_sites": rs[-1]["sync_sites"]}
+    return result
 
 
 def fused(device: torch.device) -> str:
@@ -293,6 +345,7 @@ def main() -> None:
     if a.tiny:
         a.batch, a.seq, a.warmup, a.steps, a.sync_steps, a.rounds, a.save_every = 2, 64, 2, 3, 2, 1, 3
     device = torch.device("cpu" if a.tiny else "cuda")
+    a.bf16, a.optim, a.lora, a.ckpt, a.logging_steps = True, fused(device), None, False, 10**9
     torch.set_float32_matmul_precision("high")
     config = model_config(a.tiny, a.seq)
     params = sum(p.numel() for p in build_model(config).parameters())
@@ -306,19 +359,7 @@ def main() -> None:
           f"tokens/step={a.batch * a.seq} GFLOP/token={fpt / 1e9:.3f} peak={peak and peak / 1e12} TFLOP/s")
     with tempfile.TemporaryDirectory() as tmp:
         if "loops" in a.parts:
-            loops = {"hand": hand_loop, "raytrain": raytrain_loop, "hf": hf_loop}
-            runs: dict[str, list[dict]] = {k: [] for k in loops}
-            names = list(loops)
-            for i in range(a.rounds):
-                for name in names[i % 3:] + names[:i % 3]:
-                    runs[name].append(loops[name](a, config, ids, device, os.path.join(tmp, name)))
-                    release(device)
-            result["loops"] = {}
-            for name, rs in runs.items():
-                tps = statistics.median(r["tokens_per_s"] for r in rs)
-                result["loops"][name] = {"tokens_per_s": tps, "mfu": tps * fpt / peak if peak else None,
-                                         "tokens_per_s_rounds": [r["tokens_per_s"] for r in rs],
-                                         "syncs_per_step": rs[-1]["syncs_per_step"], "sync_sites": rs[-1]["sync_sites"]}
+            result["loops"] = compare_loops(a, config, ids, device, tmp)
             report_loops(result["loops"])
             write(a.json, result)  # each part as it ends: a run stopped at its time limit keeps what it has
         if "checkpoint" in a.parts:
@@ -337,14 +378,21 @@ def write(path: str | None, result: dict) -> None:
 
 def report_loops(loops: dict) -> None:
     hand = loops["hand"]["tokens_per_s"]
-    print(f"{'loop':<10} {'tokens/s':>11} {'MFU':>7} {'vs hand':>8} {'syncs/step':>11}  sync sites")
+    print(f"{'loop':<10} {'tokens/s':>11} {'MFU':>7} {'vs hand':>8} {'tokens/CPU-s':>13} {'syncs/step':>11}  sync sites")
     for name, r in loops.items():
         mfu = f"{r['mfu'] * 100:.1f}%" if r["mfu"] else "n/a"
         syncs = f"{r['syncs_per_step']:.1f}" if r["syncs_per_step"] is not None else "n/a"
-        print(f"{name:<10} {r['tokens_per_s']:>11.0f} {mfu:>7} {r['tokens_per_s'] / hand:>7.3f}x {syncs:>11}  "
-              f"{r['sync_sites'] or ''}")
-    ours, hf = loops["raytrain"]["tokens_per_s"], loops["hf"]["tokens_per_s"]
-    print(f"raytrain / HF: {ours / hf:.3f}x (target >= 1); raytrain / hand: {ours / hand:.3f}x (target >= 0.97)")
+        print(f"{name:<10} {r['tokens_per_s']:>11.0f} {mfu:>7} {r['tokens_per_s'] / hand:>7.3f}x "
+              f"{r['tokens_per_cpu_s']:>13.0f} {syncs:>11}  {r['sync_sites'] or ''}")
+    for ref, target in (("hf", 1.0), ("hand", 0.97)):
+        print(f"raytrain / {ref}: {ratio_line(loops, ref, 'tokens_per_s')} wall, "
+              f"{ratio_line(loops, ref, 'tokens_per_cpu_s')} CPU (target >= {target})")
+
+
+def ratio_line(loops: dict, ref: str, key: str) -> str:
+    """The ratio of the medians, and the range of the ratios round by round (each round's runs back to back)."""
+    per_round = [o / r for o, r in zip(loops["raytrain"][f"{key}_rounds"], loops[ref][f"{key}_rounds"])]
+    return f"{loops['raytrain'][key] / loops[ref][key]:.3f}x [rounds {min(per_round):.3f}-{max(per_round):.3f}]"
 
 
 def report_checkpoint(c: dict) -> None:
