@@ -189,6 +189,23 @@ def ray_head():
         shutil.rmtree(temp, ignore_errors=True)
 
 
+def _wait_for_dashboard(address: str, seconds: float = 60) -> None:
+    """Until the dashboard answers again (a 401 without the token is an answer), or `seconds` have passed."""
+    import time
+    import urllib.error
+    import urllib.request
+
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        try:
+            urllib.request.urlopen(f"{address}/api/version", timeout=5)
+            return
+        except urllib.error.HTTPError:
+            return
+        except OSError:
+            time.sleep(2)
+
+
 @pytest.mark.timeout(400)
 def test_ray_job_submit_end_to_end(ray_head, tmp_path):
     """`ray job submit --working-dir . -- python -m raytrain.run ... scaling.num_workers=2` against a
@@ -197,7 +214,6 @@ def test_ray_job_submit_end_to_end(ray_head, tmp_path):
     log holds the driver's progress lines (rank 0's, once each) and no worker's."""
     import re
     import subprocess
-    import time
     import urllib.error
     import urllib.request
 
@@ -225,7 +241,7 @@ def test_ray_job_submit_end_to_end(ray_head, tmp_path):
         log = proc.stdout + proc.stderr
         if "No available agent to submit job" not in log and "Failed to connect to Ray at address" not in log:
             break
-        time.sleep(5)
+        _wait_for_dashboard(address)
     assert proc.returncode == 0 and "succeeded" in log, log[-3000:]
     lines = log.splitlines()
     progress = [ln for ln in lines if re.match(r"step \d+/46 loss=", ln)]
