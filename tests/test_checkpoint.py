@@ -10,10 +10,8 @@ import os
 import re
 import pickle
 import shutil
-import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -25,6 +23,7 @@ from examples.digits import build_model
 from raytrain import CheckpointError, Trainer, TrainingArguments, get_last_checkpoint
 from raytrain import checkpoint as ckpt
 from raytrain import checkpoint_io
+from tests.tiny import kill_when_paused
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -181,16 +180,7 @@ def test_sigkill_during_save_leaves_previous_checkpoint_and_resume_is_bit_exact(
             f"_subprocess_main({str(out)!r}, {torch.get_num_threads()}, {save_async})")
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 120
-        while not flag.exists():  # the writer is inside the save of step 6: every file but the manifest
-            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-            assert time.monotonic() < deadline, "the training process never reached the save of step 6"
-            time.sleep(0.05)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL
+    kill_when_paused(proc, flag, "the save of step 6")  # the writer is inside it: every file but the manifest
     tmp = out / ".tmp-checkpoint-6"
     assert sorted(os.listdir(out)) == [".tmp-checkpoint-6", "checkpoint-3"]
     assert "model.safetensors" in os.listdir(tmp) and "manifest.json" not in os.listdir(tmp)

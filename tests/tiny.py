@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import signal
+import time
+
 import torch
 from torch import nn
 
@@ -48,3 +51,17 @@ class StopAt(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step >= self.step:
             control.should_training_stop = True
+
+
+def kill_when_paused(proc, flag, what: str, seconds: float = 120) -> None:
+    """SIGKILL `proc` once `flag` exists (a save paused by checkpoint_io.PAUSE_ENV); its stderr if it exits first."""
+    try:
+        deadline = time.monotonic() + seconds
+        while not flag.exists():
+            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+            assert time.monotonic() < deadline, f"the training process never reached {what}"
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert proc.returncode == -signal.SIGKILL

@@ -5,14 +5,14 @@ from_pretrained; resume is bit-exact, after a SIGKILL too; transformers' PEFT ch
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 from safetensors.torch import load_file
+
+from tests.tiny import kill_when_paused
 
 from . import corpus, scripts
 
@@ -228,16 +228,7 @@ def test_sigkill_during_a_lora_save_then_resume_is_bit_exact(tmp_path):
             f"_killed_main({str(out)!r}, {torch.get_num_threads()}, {str(tokenizer_file)!r})")
     proc = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
-    try:
-        deadline = time.monotonic() + 180
-        while not flag.exists():
-            assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
-            assert time.monotonic() < deadline, "the training process never reached the save of step 6"
-            time.sleep(0.05)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL
+    kill_when_paused(proc, flag, "the save of step 6", seconds=180)
     assert ADAPTER <= set(os.listdir(out / ".tmp-checkpoint-6"))
     assert get_last_checkpoint(str(out)) == str(out / "checkpoint-3")
     tok = corpus.tokenizer()
