@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -21,7 +19,7 @@ from raytrain import Trainer, TrainerCallback, TrainingArguments, get_last_check
 from raytrain import checkpoint as ckpt
 from raytrain import checkpoint_io
 from test_checkpoint import ROOT, TESTS, assert_same, make_trainer, weights
-from tiny import StopAt, TinyClassifier, args_for, columns, rows
+from tiny import StopAt, TinyClassifier, args_for, columns, kill_when_paused, rows
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # full_determinism's cuBLAS, before any handle
 
@@ -70,16 +68,7 @@ def kill_and_resume(tmp_path, *, steps: int = 9, save_steps: int = 3, kill_at: i
     run_kw = json.dumps({**kw, "max_steps": steps, "save_steps": save_steps})
     proc = _subprocess(f"from test_gpu import _killed_main; _killed_main({str(out)!r}, {run_kw!r})",
                        {checkpoint_io.PAUSE_ENV: f"{flag}@{kill_at}"})
-    try:
-        deadline = time.monotonic() + 240
-        while not flag.exists():
-            assert proc.poll() is None, proc.stderr.read().decode()[-3000:]
-            assert time.monotonic() < deadline, f"the training process never reached the save of step {kill_at}"
-            time.sleep(0.05)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-    assert proc.returncode == -signal.SIGKILL
+    kill_when_paused(proc, flag, f"the save of step {kill_at}", seconds=240)
     assert get_last_checkpoint(str(out)) == str(out / f"checkpoint-{kill_at - save_steps}")
     reference = make_trainer(tmp_path / "ref", max_steps=steps, save_strategy="no", **kw)
     reference.train()
