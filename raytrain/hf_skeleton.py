@@ -17,7 +17,8 @@ from .metrics import format_metrics, write_metrics
 from .hf_optim import optimizer_cls_and_kwargs
 from .optim import decay_parameter_names
 
-logger = logging.getLogger("raytrain.trainer")
+# HF's name: transformers.logging settings (and HF's tests) govern the Trainer's HF messages.
+logger = logging.getLogger("transformers.trainer")
 
 
 class ExampleScriptMethods:
@@ -98,6 +99,10 @@ class ExampleScriptMethods:
         except (NameError, AttributeError, TypeError):
             return len(dataloader) * self.args.per_device_train_batch_size
 
+    def get_total_train_batch_size(self, args: Any) -> int:
+        """Samples per update step over all processes, as HF."""
+        return args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+
     def get_num_trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters() if p.requires_grad)
 
@@ -138,7 +143,7 @@ class ExampleScriptMethods:
         """HF's "***** Running training *****" block, with its numbers, for the run the loop planned."""
         self.is_in_train = True
         args, state = self.args, self.state
-        total_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+        total_batch = self.get_total_train_batch_size(args)
         if _has_length(dataloader):
             num_examples, epochs = self.num_examples(dataloader), state.num_train_epochs
         else:  # a stream: HF's numbers for a dataloader without a length

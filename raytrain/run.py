@@ -280,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
     # HF's "***** Running training *****" blocks: only with log_level info (Trainer.__init__ lifts this).
-    logging.getLogger("raytrain.trainer").setLevel(logging.WARNING)
+    logging.getLogger("transformers.trainer").setLevel(logging.WARNING)
     session = _Session(ns)
     try:
         return _main(ns, session)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import sys
 
 import torch
 
@@ -15,7 +16,8 @@ from .optim import scheduler_needs_metric
 from .state import TrainerControl, TrainerState, TrainOutput
 from .worker import loop
 
-logger = logging.getLogger("raytrain.trainer")
+# HF's name: transformers.logging settings (and HF's tests) govern the Trainer's HF messages.
+logger = logging.getLogger("transformers.trainer")
 
 _COMPARED = ("logging_steps", "eval_steps", "save_steps")  # HF compares these with trainer_state.json
 
@@ -82,6 +84,28 @@ class HFOverridePoints:
         """The rate the last optimizer step used (logged as learning_rate): _get_learning_rate."""
         return self._get_learning_rate()
 
+    # ------------------------------------------------------------ the run's plan
+    def set_initial_training_values(self, args, dataloader) -> tuple[int, int, int, int, int, int, int]:
+        """HF's (num_train_epochs, num_update_steps_per_epoch, num_examples, num_train_samples,
+        total_train_batch_size, steps_in_epoch, max_steps) of a run over `dataloader`, by the plan the
+        loop makes; a dataloader without a length runs max_steps, as HF. Nothing is set, despite the name."""
+        n_batches, per_epoch, max_steps, epochs = loop.plan_steps(args, dataloader)
+        total = self.get_total_train_batch_size(args)
+        if n_batches is None:
+            if args.max_steps <= 0:
+                raise ValueError("args.max_steps must be set to a positive value if dataloader does not have a "
+                                 f"length, was {args.max_steps}")
+            return (sys.maxsize, max_steps, total * max_steps, total * max_steps, total,
+                    max_steps * args.gradient_accumulation_steps, max_steps)
+        examples = self.num_examples(dataloader)
+        samples = max_steps * total if args.max_steps > 0 else examples * args.num_train_epochs
+        return epochs, per_epoch, examples, samples, total, n_batches, max_steps
+
+    def _get_output_dir(self, trial) -> str:
+        """Where checkpoints go (HF's override point): a sweep's trial already runs with its own args,
+        whose output_dir is the trial's run directory."""
+        return self.args.output_dir
+
     # ------------------------------------------------------------ checkpoints
     def compare_trainer_and_checkpoint_args(self, training_args, trainer_state: TrainerState) -> None:
         """HF's warning when a resumed checkpoint's trainer_state.json had other logging / eval / save
@@ -96,7 +120,7 @@ class HFOverridePoints:
                          f"(from args) != {saved_bs} (from trainer_state.json)")
         if lines:
             logger.warning("Warning: The following arguments do not match the ones in the `trainer_state.json` "
-                           "within the checkpoint directory: %s", "".join(lines))
+                           f"within the checkpoint directory: {''.join(lines)}")
 
     # ------------------------------------------------------------ auto_find_batch_size
     @property

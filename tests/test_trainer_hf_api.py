@@ -15,7 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from raytrain import EarlyStoppingCallback, Trainer, TrainerCallback
 from raytrain.checkpoint import CheckpointError
-from tests.tiny import StopAt, TinyClassifier, args_for, columns, rows
+from tests.tiny import StopAt, TinyClassifier, args_for, columns, logged, rows
 
 
 class Events(TrainerCallback):
@@ -115,11 +115,12 @@ def test_auto_find_batch_size_retries_on_a_cuda_oom_runtime_error(tmp_path, capl
     trainer = Trainer(OomAbove(4), args_for(tmp_path, max_steps=2, per_device_train_batch_size=16,
                                             auto_find_batch_size=True, save_strategy="no"),
                       train_dataset=columns(32))
-    with caplog.at_level(logging.WARNING, logger="raytrain.trainer"):
+    with logged("transformers.trainer", logging.WARNING) as records:
         assert trainer.train().global_step == 2
+    said = "".join(r.getMessage() for r in records)
     assert trainer._train_batch_size == 4 and trainer.state.train_batch_size == 4
     assert trainer.args.per_device_train_batch_size == 16  # as HF: the arguments stay as given
-    assert [int(m) for m in re.findall(r"retrying with (\d+)", caplog.text)] == [14, 12, 10, 9, 8, 7, 6, 5, 4]
+    assert [int(m) for m in re.findall(r"retrying with (\d+)", said)] == [14, 12, 10, 9, 8, 7, 6, 5, 4]
     with pytest.raises(RuntimeError, match="something else"):  # other errors are not retried
         class Broken(TinyClassifier):
             def forward(self, x, labels=None):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import signal
 import time
 
@@ -65,3 +67,21 @@ def kill_when_paused(proc, flag, what: str, seconds: float = 120) -> None:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
     assert proc.returncode == -signal.SIGKILL
+
+
+@contextlib.contextmanager
+def logged(name: str, level: int = logging.INFO):
+    """The records logger `name` (or a child) emits meanwhile, whatever its propagation: transformers'
+    loggers, where the Trainer's HF messages go, do not propagate to pytest's caplog outside CI."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(level)
+    handler.emit = records.append
+    log = logging.getLogger(name)
+    old = log.level
+    log.setLevel(level)
+    log.addHandler(handler)
+    try:
+        yield records
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(old)

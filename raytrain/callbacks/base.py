@@ -7,7 +7,9 @@ from typing import Any
 
 from ..state import TrainerControl, TrainerState
 
-logger = logging.getLogger(__name__)
+# HF's names: transformers.logging settings (and HF's tests) govern the Trainer's HF messages.
+logger = logging.getLogger("transformers.trainer_callback")
+trainer_logger = logging.getLogger("transformers.trainer")
 
 EVENTS = (
     "on_init_end", "on_train_begin", "on_train_end", "on_epoch_begin", "on_epoch_end",
@@ -78,8 +80,8 @@ class CallbackHandler(TrainerCallback):
         cb = callback() if isinstance(callback, type) else callback
         cb_class = type(cb)
         if any(type(c) is cb_class for c in self.callbacks):
-            logger.warning("adding a second %s; the list now holds: %s",
-                           cb_class.__name__, self.callback_list)
+            logger.warning(f"You are adding a {cb_class} to the callbacks of this Trainer, but there is already "
+                           f"one. The current list of callbacks is\n:{self.callback_list}")  # HF's words
         self.callbacks.append(cb)
 
     def pop_callback(self, callback):
@@ -99,8 +101,8 @@ class CallbackHandler(TrainerCallback):
         if not any(getattr(cb, "drives_the_loop", False) for cb in self.callbacks):
             logger.warning("The Trainer will not work properly if you don't have a `DefaultFlowCallback` in its "
                            "callbacks. You should add one before training with "
-                           "`trainer.add_callback(DefaultFlowCallback)`. The current list of callbacks is:\n%s",
-                           self.callback_list)
+                           "`trainer.add_callback(DefaultFlowCallback)`. The current list of callbacks is:\n"
+                           f"{self.callback_list}")
 
     @property
     def callback_list(self) -> str:
@@ -201,7 +203,8 @@ class CallbackHandler(TrainerCallback):
             saved = saved if isinstance(saved, list) else [saved]
             matching = [cb for cb in self.callbacks if type(cb).__name__ == name and isinstance(cb, ExportableState)]
             if not matching:
-                logger.warning("checkpoint has state for callback %s, which this trainer does not have; ignored", name)
+                trainer_logger.warning("Checkpoint included callbacks not included in current configuration. "
+                                       f"Ignoring. ({name})")
             for cb, st in zip(matching, saved):
                 self.callbacks[self.callbacks.index(cb)] = type(cb).from_state(st)
 
@@ -212,9 +215,8 @@ class CallbackHandler(TrainerCallback):
             matching = [cb for cb in self.callbacks
                         if type(cb).__name__ == name and isinstance(cb, ExportableState)]
             if len(matching) != len(saved):
-                logger.warning("checkpoint has state for %d %s callback(s) but the trainer has %d; "
-                               "restoring the first %d", len(saved), name, len(matching),
-                               min(len(saved), len(matching)))
+                trainer_logger.warning(f"checkpoint has state for {len(saved)} {name} callback(s) but the trainer "
+                                       f"has {len(matching)}; restoring the first {min(len(saved), len(matching))}")
             for cb, st in zip(matching, saved):
                 for k, v in st.get("attributes", {}).items():
                     setattr(cb, k, v)

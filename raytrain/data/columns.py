@@ -204,8 +204,8 @@ def is_named_datasets(data) -> bool:
 
 def check_same_schema(train, other, other_name: str = "eval_dataset") -> None:
     """`other`'s columns, dtypes and row shapes must match train's (the model sees both)."""
-    a, b = train.schema, other.schema
-    if a is None or b is None:  # a torch Dataset: items are not read ahead to learn their schema
+    a, b = getattr(train, "schema", None), getattr(other, "schema", None)
+    if a is None or b is None:  # a torch Dataset (items not read ahead) or a loader of ready batches
         return
     where = f"{other_name} ({other.where})"
     for col, (dtype, shape) in a.items():

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from ..data.columns import count_items
+from ..data.loaders import LoaderSource
 from ..state import EvalPrediction
 
 if TYPE_CHECKING:
@@ -51,7 +52,8 @@ def evaluation_loop(trainer: TrainerProtocol, source, description: str, predicti
     if hasattr(trainer.optimizer, "eval"):  # schedule-free: evaluate its averaged weights (as HF)
         trainer.optimizer.eval()
     n_batches, n_seen = 0, 0
-    for batch, last in _flag_last(source.iter_batches(0)):  # an iterable dataset's length is unknown
+    batches = source if hasattr(source, "iter_batches") else LoaderSource(source, "eval_dataloader")
+    for batch, last in _flag_last(batches.iter_batches(0)):  # an iterable dataset's length is unknown
         n_batches += 1
         n_seen += _batch_size(batch) or 0
         batch = trainer.prepare_inputs(batch)
@@ -87,7 +89,7 @@ def evaluation_loop(trainer: TrainerProtocol, source, description: str, predicti
     if trainer.compute_metrics is not None and not batch_metrics and predictions is not None \
             and label_ids is not None:
         metrics.update(trainer.compute_metrics(EvalPrediction(predictions, label_ids)))
-    n_samples = source.num_samples if source.num_samples is not None else sum(g[4] for g in gathered)
+    n_samples = batches.num_samples if batches.num_samples is not None else sum(g[4] for g in gathered)
     metrics.update({"runtime": round(runtime, 4),
                     "samples_per_second": round(n_samples / runtime, 3) if runtime else 0.0,
                     "steps_per_second": round(n_batches / runtime, 3) if runtime else 0.0})

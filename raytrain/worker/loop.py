@@ -130,7 +130,7 @@ def _setup(trainer: TrainerProtocol) -> RunState:
     args = trainer.args
     strategy = trainer.get_strategy()
     data = _train_source(trainer, strategy)
-    n_batches, steps_per_epoch, max_steps, epochs = _plan_steps(args, data)
+    n_batches, steps_per_epoch, max_steps, epochs = plan_steps(args, data)
     opt, sched = trainer.optimizers
     if trainer.lr_scheduler is not None and trainer.lr_scheduler is not sched:
         trainer.lr_scheduler = None  # a schedule created by an earlier train() starts over, as HF
@@ -174,7 +174,7 @@ def _train_source(trainer: TrainerProtocol, strategy):
     return data
 
 
-def _plan_steps(args, data) -> tuple[int | None, int, int, int]:
+def plan_steps(args, data) -> tuple[int | None, int, int, int]:
     """(batches per epoch, update steps per epoch, max_steps, epochs); a stream's epoch is max_steps long."""
     n_batches = num_batches(data)
     if n_batches is None:

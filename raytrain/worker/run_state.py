@@ -186,6 +186,10 @@ def save(run: RunState, epoch_finished: bool) -> str | None:
     path = ckpt.checkpoint_dir(args.output_dir, state.global_step)
     if state.best_global_step == state.global_step:
         state.best_model_checkpoint = path
+    elif state.best_global_step:  # evaluated after its step's save (HF: the best step's checkpoint on disk)
+        best = ckpt.checkpoint_dir(args.output_dir, state.best_global_step)
+        if os.path.isdir(best):
+            state.best_model_checkpoint = best
     saved_state = trainer_state(run)
     peft = adapters.peft_of(strategy.model)  # its checkpoint holds the adapter alone, written by PEFT
 

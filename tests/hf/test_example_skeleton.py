@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from . import scripts
+from tests.tiny import logged
 from .scripts import hf, rt
 
 logger = logging.getLogger("run_glue")
@@ -272,11 +273,10 @@ def test_num_examples_flos_is_in_train_and_loss_context(tmp_path, caplog):
     bf16 = _regressor_trainer(tmp_path / "bf16", bf16=True)
     with bf16.compute_loss_context_manager():
         assert torch.is_autocast_enabled("cpu")
-    caplog.clear()
-    # raytrain.trainer's own level too: an in-process CLI run earlier in this process set it to WARNING.
-    with caplog.at_level(logging.INFO, logger="raytrain"), caplog.at_level(logging.INFO, logger="raytrain.trainer"):
+    # On transformers' logger, as HF (its own level too: an in-process CLI run earlier set it to WARNING).
+    with logged("transformers.trainer") as records:
         trainer.predict(scripts.regression_data(12))
-    assert [r.getMessage() for r in caplog.records if r.name == "raytrain.trainer"] == [
+    assert [r.getMessage() for r in records] == [
         "\n***** Running Prediction *****", "  Num examples = 12", "  Batch size = 8"]  # HF's text for predict
 
 

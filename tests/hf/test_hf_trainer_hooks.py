@@ -16,6 +16,7 @@ import torch
 from raytrain import sort_checkpoints
 
 from . import scripts
+from tests.tiny import logged
 
 
 NONE = object()  # a Trainer given no train_dataset
@@ -225,17 +226,40 @@ def test_load_callback_state_restores_trainer_control_flags_as_hf(tmp_path):
         assert trainer.control.should_training_stop, lib
 
 
-def test_removing_default_flow_callback_warns(tmp_path, caplog):
+def test_removing_default_flow_callback_warns(tmp_path):
     from raytrain import DefaultFlowCallback
 
     trainer = make("rt", tmp_path)
-    with caplog.at_level(logging.WARNING, logger="raytrain.callbacks.base"):
+    with logged("transformers.trainer_callback", logging.WARNING) as records:  # HF's logger
         trainer.remove_callback(DefaultFlowCallback)
-    assert "The Trainer will not work properly if you don't have a `DefaultFlowCallback`" in caplog.text
-    assert "PrinterCallback" in caplog.text  # the list it has
+    text = "".join(r.getMessage() for r in records)
+    assert "The Trainer will not work properly if you don't have a `DefaultFlowCallback`" in text
+    assert "PrinterCallback" in text  # the list it has
 
 
-def test_resume_with_another_per_device_batch_size_continues_by_samples(tmp_path, caplog):
+def test_callback_warnings_on_hfs_loggers_with_hfs_words(tmp_path):
+    """A second callback of a class, and a checkpoint's callback state the resuming trainer lacks: HF's
+    warnings on HF's loggers (transformers.trainer_callback, transformers.trainer), as HF's tests patch them."""
+    said = {}
+    for lib in ("hf", "rt"):
+        callback_base = scripts.LIBS[lib][1]()
+        early = __import__("raytrain" if lib == "rt" else "transformers").EarlyStoppingCallback
+        Recorder = type("Recorder", (callback_base,), {})
+        with logged("transformers.trainer_callback", logging.WARNING) as added:
+            make(lib, tmp_path / lib / "dup", callbacks=[Recorder, Recorder])
+        kw = dict(max_steps=2, save_strategy="steps", save_steps=2, eval_strategy="steps", eval_steps=2)
+        make(lib, tmp_path / lib, callbacks=[early()], load_best_model_at_end=True, **kw).train()
+        again = make(lib, tmp_path / lib, restore_callback_states_from_checkpoint=True, **kw)
+        with logged("transformers.trainer", logging.WARNING) as resumed:
+            again.train(resume_from_checkpoint=str(tmp_path / lib / "checkpoint-2"))
+        said[lib] = [[r.getMessage().split(" to the")[0].split(".")[-1] for r in added],
+                     [r.getMessage() for r in resumed if "EarlyStoppingCallback" in r.getMessage()]]
+    assert said["rt"] == said["hf"] == [
+        ["Recorder'>"],
+        ["Checkpoint included callbacks not included in current configuration. Ignoring. (EarlyStoppingCallback)"]]
+
+
+def test_resume_with_another_per_device_batch_size_continues_by_samples(tmp_path):
     """As HF: a checkpoint of batch 4 resumes at batch 8 (HF's test_resume_training_with_different_batch_size),
     the arguments' difference logged in HF's words."""
     for lib in ("hf", "rt"):
@@ -245,13 +269,13 @@ def test_resume_with_another_per_device_batch_size_continues_by_samples(tmp_path
         assert first._train_batch_size == 4
         again = make(lib, tmp_path / lib, train=scripts.regression_data(64), max_steps=4, save_strategy="steps",
                      save_steps=1, per_device_train_batch_size=8)
-        with caplog.at_level(logging.WARNING):
+        with logged("transformers", logging.WARNING) as records:  # transformers' loggers, for both
             assert again.train(resume_from_checkpoint=True).global_step == 4
         assert again._train_batch_size == 8, lib
-    # raytrain's records only: transformers' logger propagates to caplog once an earlier test turned that on
-    ours = [r.getMessage() for r in caplog.records if r.name.startswith("raytrain")]
-    assert sum("per_device_train_batch_size: 8 (from args) != 4 (from trainer_state.json)" in m for m in ours) == 1
-    assert any("do not match the ones in the `trainer_state.json`" in m for m in ours)
+        said = [r.getMessage() for r in records]
+        assert sum("per_device_train_batch_size: 8 (from args) != 4 (from trainer_state.json)" in m
+                   for m in said) == 1, lib
+        assert any("do not match the ones in the `trainer_state.json`" in m for m in said), lib
 
 
 def test_auto_find_batch_size_resume_takes_the_checkpoints_batch_size_as_hf(tmp_path):
@@ -355,3 +379,74 @@ def test_two_optimizer_groups_and_per_group_learning_rates_as_hf(tmp_path):
         assert ours[1] == theirs[1] == ["lin.weight"]
         assert ours[2] == theirs[2] == [0.05, 0.05]
         assert ours[3] == pytest.approx(theirs[3]) and ours[4] == pytest.approx(theirs[4])
+
+
+# ---------------------------------------------------------------- the run's plan and user loaders
+
+
+def test_set_initial_training_values_gives_hfs_plan(tmp_path):
+    """HF's set_initial_training_values (the tuple HF's testing_utils.get_steps_per_epoch reads) for
+    epochs, max_steps and gradient accumulation; _get_output_dir is args.output_dir outside a sweep."""
+    for kw in ({"num_train_epochs": 2}, {"max_steps": 7, "gradient_accumulation_steps": 3},
+               {"num_train_epochs": 1.5, "gradient_accumulation_steps": 2}):
+        plans = {}
+        for lib in ("hf", "rt"):
+            trainer = make(lib, tmp_path / lib, train=scripts.regression_data(22), **kw)
+            plans[lib] = trainer.set_initial_training_values(trainer.args, trainer.get_train_dataloader())
+            assert trainer._get_output_dir(trial=None) == str(tmp_path / lib)
+        assert plans["rt"] == plans["hf"], kw
+
+
+def test_best_checkpoint_when_the_evaluation_follows_the_steps_save_as_hf(tmp_path):
+    """Evaluating each epoch and saving each step: the epoch's last step is saved before it is evaluated,
+    and HF names that checkpoint best at the next save (HF's test_best_model_checkpoint_behavior)."""
+    def _evaluate(self, trial, ignore_keys_for_eval, skip_scheduler=False):
+        self.log(metrics := {"eval_accuracy": self.accuracies.pop(0)})
+        return metrics
+
+    best = {}
+    for lib in ("hf", "rt"):
+        trainer = make(lib, tmp_path / lib, cls=subclass(lib, _evaluate=_evaluate), num_train_epochs=3,
+                       eval_strategy="epoch", save_strategy="steps", save_steps=1,
+                       metric_for_best_model="accuracy", greater_is_better=True)
+        trainer.accuracies = [0.59, 0.57, 0.55]
+        trainer.train()
+        state = trainer.state
+        best[lib] = (state.best_metric, state.best_global_step, os.path.basename(state.best_model_checkpoint))
+    assert best["rt"] == best["hf"] == (0.59, 4, "checkpoint-4")
+
+
+class _Chained:
+    """A user's loader of ready batches: two DataLoaders one after the other, no .dataset (HF's MultiLoader)."""
+
+    def __init__(self, loaders):
+        self.loaders = loaders
+
+    def __len__(self):
+        return sum(len(loader) for loader in self.loaders)
+
+    def __iter__(self):
+        for loader in self.loaders:
+            yield from loader
+
+
+def test_dataloaders_of_a_users_own_class_train_and_evaluate_as_hf(tmp_path):
+    """get_train_dataloader / get_eval_dataloader overridden to return a plain iterable with a length
+    (HF's test_dataloader_without_dataset): training and evaluation run over it, with HF's numbers."""
+    def get_train_dataloader(self):
+        base = super(type(self), self).get_train_dataloader
+        return _Chained([base(), base()])
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        base = super(type(self), self).get_eval_dataloader
+        return _Chained([base(eval_dataset), base(eval_dataset)])
+
+    out = {}
+    for lib in ("hf", "rt"):
+        cls = subclass(lib, get_train_dataloader=get_train_dataloader, get_eval_dataloader=get_eval_dataloader)
+        trainer = make(lib, tmp_path / lib, cls=cls, num_train_epochs=1, logging_steps=1)
+        trainer.train()
+        metrics = trainer.evaluate()
+        out[lib] = (trainer.state.global_step, metrics["eval_loss"])
+    assert out["rt"][0] == out["hf"][0] == 8  # two passes of 16 samples at batch 4
+    assert out["rt"][1] == pytest.approx(out["hf"][1], rel=1e-5)
