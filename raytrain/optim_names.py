@@ -5,6 +5,7 @@ call it before any work."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 #: Built by raytrain itself (torch's classes, as HF's Trainer picks them), with or without transformers.
 TORCH_NAMES = ("adamw_torch", "adamw_torch_fused", "sgd", "adagrad", "rmsprop", "adafactor")
@@ -67,8 +68,8 @@ LOW_RANK = tuple(name for name in OPTIM_NAMES if name.startswith(("galore_", "ap
 def installed(module: str) -> bool:
     try:
         return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):  # a dotted name whose parent is missing
-        return False
+    except (ImportError, ValueError):  # a missing parent; or a module put in sys.modules without a spec
+        return sys.modules.get(module) is not None
 
 
 def check_optim(name: str) -> None:

@@ -4,7 +4,6 @@ HF fields that are accepted but do nothing here. Each failure is one line naming
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import logging
 import math
@@ -16,7 +15,7 @@ from pydantic import field_validator, model_validator
 
 from .config import ConfigError, StrictModel, parse_pairs, show_number, show_value
 from .hf_args import deprecated_alias
-from .optim_names import LOW_RANK, check_optim
+from .optim_names import LOW_RANK, check_optim, installed
 
 logger = logging.getLogger(__name__)
 
@@ -65,22 +64,15 @@ ALIASES = {"gradient_checkpointing": "activation_checkpointing",
            "gradient_checkpointing_kwargs": "activation_checkpointing_kwargs"}
 
 
-def _installed(module: str) -> bool:
-    try:
-        return importlib.util.find_spec(module) is not None
-    except (ImportError, ValueError):  # a dotted name whose parent is missing
-        return False
-
-
-def _check_installed(name: str) -> None:
+def _checkinstalled(name: str) -> None:
     """A report_to name whose library is missing fails here, before any training, naming what to install."""
     if name == "kubeflow":  # transformers' test: it reports to the Kubeflow Trainer job it runs in
         if not os.environ.get("KUBEFLOW_TRAINER_SERVER_URL"):
             raise ValueError("kubeflow needs KUBEFLOW_TRAINER_SERVER_URL (set inside a Kubeflow Trainer job)")
         return
     modules, package = INTEGRATIONS[name]
-    missing = [] if any(_installed(m) for m in modules) else [package]
-    if name not in OWN_INTEGRATIONS and not _installed("transformers"):
+    missing = [] if any(installed(m) for m in modules) else [package]
+    if name not in OWN_INTEGRATIONS and not installed("transformers"):
         missing.append("transformers")  # the callback is transformers'
     if missing == [name]:
         raise ValueError(f"{name} is not installed; pip install {name}")
@@ -92,11 +84,11 @@ def _check_installed(name: str) -> None:
 def available_integrations() -> list[str]:
     """report_to "all": transformers' get_available_reporting_integrations where it is installed (its
     order and rules), else those of raytrain's own (mlflow, tensorboard) whose library is installed."""
-    if _installed("transformers"):
+    if installed("transformers"):
         from transformers.integrations import get_available_reporting_integrations
 
         return list(get_available_reporting_integrations())
-    return [n for n in OWN_INTEGRATIONS if any(_installed(m) for m in INTEGRATIONS[n][0])]
+    return [n for n in OWN_INTEGRATIONS if any(installed(m) for m in INTEGRATIONS[n][0])]
 
 
 def warn_noop_fields(args) -> None:
@@ -219,7 +211,7 @@ class ArgumentRules(StrictModel):
             if name == "all":
                 out += available_integrations()
             elif name in INTEGRATIONS:
-                _check_installed(name)
+                _checkinstalled(name)
                 out.append(name)
             elif name != "none":
                 valid = ", ".join(["none", "all", *INTEGRATIONS])

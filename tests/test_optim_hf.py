@@ -139,6 +139,25 @@ def test_a_missing_library_is_refused_in_one_line_naming_the_package(tmp_path, w
     assert TrainingArguments(str(tmp_path), optim="sgd").optim == "sgd"  # torch's names need neither
 
 
+def test_a_library_put_in_sys_modules_counts_as_installed_as_hf(tmp_path):
+    """HF's optimizer-choice tests put a mock library in sys.modules (it has no __spec__): the name is
+    accepted and transformers' resolution returns the mock's class, as for HF; None there blocks it."""
+    from unittest.mock import Mock, patch
+
+    from transformers.utils import is_bitsandbytes_available
+
+    from raytrain import Trainer
+
+    assert is_bitsandbytes_available()  # transformers caches it, as HF's @require_bitsandbytes does first
+    mock = Mock()
+    with patch.dict("sys.modules", {"bitsandbytes": mock, "bitsandbytes.optim": mock.optim}):
+        args = TrainingArguments(str(tmp_path), optim="paged_adamw_8bit")
+        assert Trainer.get_optimizer_cls_and_kwargs(args)[0] is mock.optim.AdamW
+    with patch.dict("sys.modules", {"bitsandbytes": None}):
+        with pytest.raises(ConfigError, match="needs bitsandbytes, which is not installed"):
+            TrainingArguments(str(tmp_path), optim="paged_adamw_8bit")
+
+
 def test_an_unknown_name_lists_the_valid_ones(tmp_path):
     with pytest.raises(ConfigError) as err:
         TrainingArguments(str(tmp_path), optim="adam")

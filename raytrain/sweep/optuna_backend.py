@@ -58,7 +58,7 @@ def choose_backend(backend, hp_space, kwargs: dict[str, Any]) -> str:
     if set(kwargs) & set(_ray_only_keys()) or isinstance(kwargs.get("sampler"), str):
         return "ray"
     if hp_space is not None and (isinstance(hp_space, SearchSpace) or not callable(hp_space)
-                                 or function_space(hp_space) is None):
+                                 or function_space(hp_space, empty_ok=True) is None):
         return "ray"
     return "optuna"
 

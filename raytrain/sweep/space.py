@@ -165,9 +165,10 @@ def default_compute_objective(metrics: dict[str, float]) -> float:
     return loss if not metrics else sum(metrics.values())
 
 
-def function_space(hp_space) -> FunctionSpace | None:
+def function_space(hp_space, empty_ok: bool = False) -> FunctionSpace | None:
     """hp_space as a FunctionSpace when it is HF's Optuna style (it suggests on a probe trial of a
-    throw-away in-memory study); None when it suggests nothing (a function returning a space)."""
+    throw-away in-memory study); None when it suggests nothing (a function returning a space).
+    With empty_ok, one returning {} is Optuna style too (model_init suggests the parameters, as HF)."""
     import optuna
 
     verbosity = optuna.logging.get_verbosity()
@@ -183,7 +184,7 @@ def function_space(hp_space) -> FunctionSpace | None:
     finally:
         optuna.logging.set_verbosity(verbosity)
     if not trial.params:
-        return None
+        return FunctionSpace(hp_space, []) if empty_ok and params == {} else None
     if not isinstance(params, dict):
         raise ValueError(f"hp_space must return a dict of parameters, got {type(params).__name__}")
     return FunctionSpace(hp_space, list(params))

@@ -150,6 +150,16 @@ def test_optuna_backend_yaml_space_keyword_model_init_hp_name_and_final_evaluati
     assert "Trying to set hidden in the hyperparameter search but there is no corresponding field" in caplog.text
 
 
+def test_an_empty_hp_space_with_model_init_suggesting_searches_with_optuna_as_hf(tmp_path):
+    """HF's TrainerHyperParameterOptunaIntegrationTestWithFullEval: hp_space returns {}, model_init
+    suggests on the Optuna trial, no evaluation during training: Optuna runs the trials (backend None),
+    each scored by a final evaluate()."""
+    trainer, runs = _rt_trainer(tmp_path, model_init, eval_strategy="no")
+    best = trainer.hyperparameter_search(hp_space=lambda trial: {}, n_trials=2, direction="minimize")
+    assert len(runs) == 2 and list(best.run_summary["params_hidden"]) == [r[3]["hidden"] for r in runs]
+    assert best.objective == min(best.run_summary["value"])
+
+
 def test_several_directions_give_the_best_trials_as_a_list(tmp_path):
     trainer, _ = _rt_trainer(tmp_path, lambda: MLP(), eval_strategy="steps", eval_steps=2)
     front = trainer.hyperparameter_search(hp_space, lambda m: (m["eval_loss"], m["eval_loss"] * 2), n_trials=3,
@@ -169,6 +179,7 @@ def test_backend_choice_and_one_line_errors(tmp_path):
     assert choose_backend(None, hp_space, {"sampler": "tpe"}) == "ray"
     assert choose_backend(None, {"learning_rate": {"uniform": [0.1, 0.2]}}, {}) == "ray"
     assert choose_backend(None, lambda trial: {"learning_rate": 0.1}, {}) == "ray"  # a function returning a space
+    assert choose_backend(None, lambda trial: {}, {}) == "optuna"  # HF's: model_init suggests on the trial
     trainer, _ = _rt_trainer(tmp_path, lambda: MLP(), eval_strategy="steps", eval_steps=1)
     cases = [({"backend": "wandb"}, r"^backend: must be 'optuna' or 'ray' \(None: optuna when installed, as HF\), "
                                     r"got 'wandb'$"),
