@@ -279,8 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     _ARGV = list(argv) if argv is not None else None
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("matplotlib").setLevel(logging.WARNING)
-    # HF's "***** Running training *****" blocks: only with log_level info (Trainer.__init__ lifts this).
-    logging.getLogger("transformers.trainer").setLevel(logging.WARNING)
+    # HF's "***** Running training *****" blocks (on transformers' loggers): only with log_level info, which
+    # Trainer.__init__ applies; until then transformers' own default level, warning, imported or not.
+    if logging.getLogger("transformers").level == logging.NOTSET:
+        logging.getLogger("transformers").setLevel(logging.WARNING)
     session = _Session(ns)
     try:
         return _main(ns, session)

@@ -51,8 +51,8 @@ class Trainer(HFOverridePoints, ExampleScriptMethods):
         self.start_memory_tracking("init")
         if self.args.log_level != "passive":
             logging.getLogger("raytrain").setLevel(self.args.log_level.upper())
-            # HF's lines are on transformers' loggers (whose level transformers keeps at warning)
-            logging.getLogger("transformers.trainer").setLevel(self.args.log_level.upper())
+            # HF's lines are on transformers' loggers: their level set as HF's Trainer sets it (set_verbosity)
+            logging.getLogger("transformers").setLevel(self.args.log_level.upper())
         set_seed(self.args.seed, self.args.full_determinism)
         if model is None and model_init is None:
             raise ValueError("Trainer needs a model or a model_init function")

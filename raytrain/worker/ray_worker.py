@@ -319,8 +319,9 @@ def train_loop_per_worker(config: dict) -> dict | None:
     # Ray's workers log INFO: raytrain's INFO lines (HF's "***** Running training *****") only where the
     # user asked for them (log_level on the main process, log_level_replica elsewhere), as HF.
     args = trainer.args
-    logging.getLogger("raytrain").setLevel(logging.WARNING if args.log_level == "passive" and args.should_log
-                                           else args.get_process_log_level())
+    level = logging.WARNING if args.log_level == "passive" and args.should_log else args.get_process_log_level()
+    for name in ("raytrain", "transformers"):  # transformers: the Trainer's HF lines, as HF's set_verbosity
+        logging.getLogger(name).setLevel(level)
     preemption = PreemptionCallback(strategy)
     trial = config.get("trial")  # a sweep trial's reporter (raytrain.sweep.search) reports evaluations instead
     reports = RayReportCallback(strategy) if trial is None else None
