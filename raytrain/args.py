@@ -359,6 +359,8 @@ def _plain(v: Any) -> Any:
         return v.model_dump(mode="json")
     if isinstance(v, Enum):
         return v.value
+    if type(v).__module__ == "torch" and type(v).__name__ == "dtype":  # a subclass's dtype field, as HF
+        return str(v).removeprefix("torch.")
     return copy.deepcopy(v)
 
 

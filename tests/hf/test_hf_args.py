@@ -51,6 +51,22 @@ def test_hf_argument_parser_and_user_subclass(lib, tmp_path):
     assert positional.extra == 3 and positional.output_dir == str(tmp_path)
 
 
+def test_a_subclass_dtype_field_is_its_name_in_to_dict_as_hf(tmp_path):
+    """HF's test_dtype_to_json: a subclass's torch.dtype field is written as its name (JSON-able)."""
+    import json
+
+    import torch
+
+    out = {}
+    for lib in ("hf", "rt"):
+        base = {"hf": hf, "rt": rt}[lib]()[1]
+        cls = dataclass(type("DtypeArgs", (base,), {"__annotations__": {"dtype": torch.dtype},
+                                                   "dtype": field(default=torch.float32)}))
+        args = cls(output_dir=str(tmp_path / lib), dtype=torch.bfloat16, use_cpu=True, report_to="none")
+        out[lib] = (args.to_dict()["dtype"], json.loads(args.to_json_string())["dtype"])
+    assert out["rt"] == out["hf"] == ("bfloat16", "bfloat16")
+
+
 def test_misspelt_field_is_one_line_naming_the_close_field(tmp_path):
     _, TrainingArguments = rt()
     with pytest.raises(Exception) as e:
