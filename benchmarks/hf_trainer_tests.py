@@ -1,6 +1,6 @@
 """Run transformers' own Trainer tests against raytrain, with only their imports changed.
 
-    python benchmarks/hf_trainer_tests.py --tests /path/to/transformers/tests
+    python benchmarks/hf_trainer_tests.py --tests /path/to/transformers/tests [--all]
 
 The test files are not installed with transformers (nor in its sdist): point --tests at the
 `tests/` folder of a transformers checkout at the installed version. Both copies of the selected

@@ -9,4 +9,4 @@ python benchmarks/llm.py --hidden 384 --layers 4 --batch 4 --seq 256 --warmup 3 
 python benchmarks/gpu_train.py --batch 16 --seq 1024 --warmup 10 --steps 40 --rounds 2
 bash benchmarks/gpu.sh --fetch-wheels
 OUT=gpu-results bash benchmarks/gpu.sh
-python benchmarks/hf_trainer_tests.py --tests ../transformers/tests --json hf-tests.json
+python benchmarks/hf_trainer_tests.py --tests ../transformers/tests --all --json hf-tests.json
