@@ -113,7 +113,8 @@ def raytrain_loop(model_cls, data, bs, steps, warmup) -> list[float]:
     timer = _StepTimer()
     with tempfile.TemporaryDirectory() as out:
         args = TrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=bs, learning_rate=1e-4,
-                                 weight_decay=0.0, logging_steps=10**9, save_strategy="no", disable_tqdm=True)
+                                 weight_decay=0.0, logging_steps=10**9, save_strategy="no", disable_tqdm=True,
+                                 optim="adamw_torch")  # the hand loop's AdamW (the default is the fused one)
         trainer = Trainer(model, args, train_dataset=data, callbacks=[timer])
         trainer.remove_callback(trainer.callback_handler.callbacks[1])  # printer: no output in the timing
         trainer.train()
@@ -148,7 +149,8 @@ def hf_loop(model_cls, data, bs, steps, warmup) -> list[float] | None:
     with tempfile.TemporaryDirectory() as out:
         args = transformers.TrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=bs,
                                               learning_rate=1e-4, logging_steps=10**9, save_strategy="no",
-                                              report_to="none", disable_tqdm=True, use_cpu=True)
+                                              report_to="none", disable_tqdm=True, use_cpu=True,
+                                              optim="adamw_torch")
         transformers.Trainer(model_cls(), args, train_dataset=_Rows(), callbacks=[timer]).train()
     return timer.times[warmup - 1:]
 
