@@ -25,8 +25,8 @@ from pathlib import Path
 
 FILES = ["test_trainer_callback.py", "test_trainer_checkpointing.py", "test_trainer_data.py",
          "test_trainer_evaluation.py", "test_trainer_optimizers.py", "trainer_test_utils.py"]
-OPTIONAL = ["test_trainer.py"]
-TESTING = "transformers.testing_utils"  # the rest of HF's Trainer tests: with --all
+OPTIONAL = ["test_trainer.py"]  # the rest of HF's Trainer tests: with --all
+TESTING = "transformers.testing_utils"  # its missing require_* skip; no name of it is raytrain's
 # The transformers modules whose Trainer names raytrain provides under the same name.
 MODULES = {"transformers", "transformers.trainer", "transformers.trainer_callback",
            "transformers.trainer_utils", "transformers.training_args"}
@@ -86,15 +86,15 @@ def run(tree: Path, timeout: int, select: str | None, workers: int) -> dict[str,
     xml = tree / "report.xml"
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                PYTHONPATH=os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH")])))
-    cmd = [sys.executable, "-m", "pytest", "tests/trainer", "-q", "-p", "no:cacheprovider",
-           "-o", "addopts=", "-n", str(workers), "-o", f"timeout={timeout}", "--junitxml", str(xml)] + (["-k", select] if select else [])
+    cmd = [sys.executable, "-m", "pytest", "tests/trainer", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+           "-n", str(workers), "-o", f"timeout={timeout}", "--junitxml", str(xml), *(["-k", select] if select else [])]
     subprocess.run(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     outcomes = {}
     for case in ET.parse(xml).iter("testcase"):
         test = f"{case.get('classname').split('.')[-1]}::{case.get('name')}"
         bad = case.find("failure") if case.find("failure") is not None else case.find("error")
         if bad is not None:
-            outcomes[test] = ("failed", (bad.get("message") or "").splitlines()[0][:200] if bad.get("message") else "")
+            outcomes[test] = ("failed", next(iter((bad.get("message") or "").splitlines()), "")[:200])
         elif case.find("skipped") is not None:
             outcomes[test] = ("skipped", "")
         else:

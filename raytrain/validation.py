@@ -64,7 +64,7 @@ ALIASES = {"gradient_checkpointing": "activation_checkpointing",
            "gradient_checkpointing_kwargs": "activation_checkpointing_kwargs"}
 
 
-def _checkinstalled(name: str) -> None:
+def _check_installed(name: str) -> None:
     """A report_to name whose library is missing fails here, before any training, naming what to install."""
     if name == "kubeflow":  # transformers' test: it reports to the Kubeflow Trainer job it runs in
         if not os.environ.get("KUBEFLOW_TRAINER_SERVER_URL"):
@@ -211,7 +211,7 @@ class ArgumentRules(StrictModel):
             if name == "all":
                 out += available_integrations()
             elif name in INTEGRATIONS:
-                _checkinstalled(name)
+                _check_installed(name)
                 out.append(name)
             elif name != "none":
                 valid = ", ".join(["none", "all", *INTEGRATIONS])
