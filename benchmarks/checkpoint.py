@@ -43,8 +43,8 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from raytrain import Trainer, TrainerCallback, TrainingArguments  # noqa: E402
-from raytrain import checkpoint as ckpt  # noqa: E402
-from raytrain import checkpoint_io  # noqa: E402
+from raytrain.checkpoint import store as ckpt  # noqa: E402
+from raytrain.checkpoint import io as checkpoint_io  # noqa: E402
 
 
 class MLP(nn.Module):

@@ -6,22 +6,21 @@ before torch is even imported.
 
 from __future__ import annotations
 
-from .lazy import lazy_exports
+from .runtime.lazy import lazy_exports
 
 _EXPORTS = {
-    "args": ["ConfigError", "TrainingArguments"],
+    "config.args": ["ConfigError", "TrainingArguments"],
     "callbacks": ["CallbackHandler", "DefaultFlowCallback", "EarlyStoppingCallback", "ExportableState",
                   "PrinterCallback", "ProgressCallback", "TrainerCallback"],
     "checkpoint": ["CheckpointError", "get_last_checkpoint", "load_weights", "verify_checkpoint"],
     "data": ["DataError", "Files", "RayData", "build_source", "default_collate"],
     "worker.loop": ["NonFiniteError"],
-    "hf_optim": ["create_optimizer", "create_scheduler"],
-    "optim": ["get_parameter_groups"],
-    "state": ["EvalPrediction", "PredictionOutput", "TrainerControl", "TrainerState", "TrainOutput"],
-    "trainer": ["Trainer", "set_seed"],
-    "trainer_hf": ["sort_checkpoints"],
-    "seq2seq": ["Seq2SeqTrainer"],
-    "seq2seq_args": ["Seq2SeqTrainingArguments"],
+    "hf.optim": ["create_optimizer", "create_scheduler"],
+    "optim.optimizers": ["get_parameter_groups"],
+    "callbacks.state": ["EvalPrediction", "PredictionOutput", "TrainerControl", "TrainerState", "TrainOutput"],
+    "trainer": ["Seq2SeqTrainer", "Trainer", "set_seed"],
+    "hf.trainer_api": ["sort_checkpoints"],
+    "config.seq2seq": ["Seq2SeqTrainingArguments"],
     "sweep": ["BestRun", "hyperparameter_search"],
 }
 __version__ = "0.1.0"

@@ -15,7 +15,7 @@ import json
 import os
 import sys
 
-from . import plots
+from .tracking import plots
 
 _TRAIN_KEYS = ("loss", "learning_rate", "grad_norm")
 _NOT_CURVES = ("_runtime", "_per_second")
@@ -47,7 +47,7 @@ def _trainer_state(output_dir: str) -> str | None:
     path = os.path.join(output_dir, "trainer_state.json")
     if os.path.isfile(path):
         return path
-    from .checkpoint import sorted_checkpoints  # no torch import unless a checkpoint is needed
+    from .checkpoint.store import sorted_checkpoints  # no torch import unless a checkpoint is needed
 
     for _, ckpt in reversed(sorted_checkpoints(output_dir)):
         if os.path.isfile(os.path.join(ckpt, "trainer_state.json")):

@@ -18,10 +18,10 @@ import signal
 import sys
 from typing import Any
 
-from .args import ConfigError, TrainingArguments, cli_help
-from .cli_search import SEARCH_HELP, run_search_cli
-from .config import import_string
-from .seq2seq_args import arguments_from_yaml, seq2seq_help
+from .config.args import ConfigError, TrainingArguments, cli_help
+from .cli.search import SEARCH_HELP, run_search_cli
+from .config.sections import import_string
+from .config.seq2seq import arguments_from_yaml, seq2seq_help
 
 EXIT_CONFIG = 2
 EXIT_ERROR = 1
@@ -126,7 +126,7 @@ def _check_items(dataset, what: str) -> None:
 
 def _resume_arg(value: str, args: TrainingArguments):
     """--resume as the Trainer's resume_from_checkpoint; mistakes named with CLI flags."""
-    from .checkpoint import MANIFEST, sorted_checkpoints
+    from .checkpoint.store import MANIFEST, sorted_checkpoints
     from .worker.resume import fresh_start_refusal
 
     if value == "auto":
@@ -335,7 +335,7 @@ def _training_arguments(config: str, overrides: list[str]) -> TrainingArguments:
 def _train(ns, session: _Session, args: TrainingArguments, job: dict, resume, stop) -> int:
     from .driver.signals import ray_train_signals
     from .worker.signals import StopOnSignal
-    from .seq2seq import trainer_class
+    from .trainer import trainer_class
 
     session.open_log(args.output_dir)
     trainer = trainer_class(args)(args=args, **job)
@@ -374,7 +374,7 @@ def _train(ns, session: _Session, args: TrainingArguments, job: dict, resume, st
 
 def _resumed_step(output_dir: str, resume) -> int | None:
     """The step of the checkpoint this run continued from (None for a fresh start)."""
-    from .state import TrainerState
+    from .callbacks.state import TrainerState
     from .worker.resume import likely_checkpoint
 
     path = likely_checkpoint(output_dir, resume) if os.path.isdir(output_dir) else None
@@ -385,7 +385,7 @@ def _resumed_step(output_dir: str, resume) -> int | None:
 
 def _finish(trainer, out, report: bool, run: _TrackedRun) -> dict:
     """After training: the final evaluation, model, trainer_state.json, plots and MLflow artifacts."""
-    from .checkpoint import ADAPTER_WEIGHTS, WEIGHTS, WEIGHTS_INDEX
+    from .checkpoint.store import ADAPTER_WEIGHTS, WEIGHTS, WEIGHTS_INDEX
 
     args = trainer.args
     summary = {"global_step": out.global_step, "train_loss": out.training_loss,
@@ -412,7 +412,7 @@ def _finish(trainer, out, report: bool, run: _TrackedRun) -> dict:
 
 
 def _stopped(trainer, stop) -> int:
-    from .checkpoint import checkpoint_dir
+    from .checkpoint.store import checkpoint_dir
 
     step, args = stop.stopped_at, trainer.args
     if args.save_strategy == "no":
@@ -426,7 +426,7 @@ def _stopped(trainer, stop) -> int:
 
 
 def _stopped_workers(args, stop) -> int:
-    from .checkpoint import get_last_checkpoint
+    from .checkpoint.store import get_last_checkpoint
 
     path = get_last_checkpoint(args.output_dir)
     saved = f"saved {path}" if path and args.save_strategy != "no" else "nothing saved"
@@ -449,7 +449,7 @@ class _TrackedRun:
         cb = next((c for c in trainer.callback_handler.callbacks if isinstance(c, MLflowCallback)), None)
         if cb is None:
             return cls()
-        from . import tracking
+        from .tracking import mlflow as tracking
         from .worker.resume import likely_checkpoint
 
         args = trainer.args
@@ -469,14 +469,14 @@ class _TrackedRun:
     def finish(self, model_dir: str, best_checkpoint: str | None) -> None:
         if self.callback is None:
             return
-        from . import tracking
+        from .tracking import mlflow as tracking
 
         tracking.log_final(self.callback.client, self.callback.run_id, self.args, model_dir, best_checkpoint)
         self.end("FINISHED")
 
     def print_ui_line(self) -> None:
         if self.callback is not None:
-            from . import tracking
+            from .tracking import mlflow as tracking
 
             print(f"mlflow: run {self.callback.run_id}; see it with: {tracking.ui_command(self.callback.tracking_uri)}")
 

@@ -9,25 +9,27 @@ from typing import Any, Callable
 
 import torch
 
-from . import adapters, hf
-from .worker import loop
-from .args import TrainingArguments
 from .callbacks import CallbackHandler, DefaultFlowCallback, PrinterCallback, ProgressCallback
-from .callbacks.trackers import integration_callbacks
+from .callbacks.state import PredictionOutput, TrainerControl, TrainerState, TrainOutput
+from .config.args import TrainingArguments
+from .config.seq2seq import Seq2SeqTrainingArguments
 from .data.columns import is_named_datasets
-from .hf_skeleton import ExampleScriptMethods
-from .trainer_hf import HFOverridePoints
-from .metrics import MemoryTracker
-from .worker.evaluation import EvalLoopOutput, evaluation_loop
-from .hf_optim import create_optimizer, create_scheduler
-from .optim import build_optimizer, get_lr
-from .seeding import set_seed
-from .state import PredictionOutput, TrainerControl, TrainerState, TrainOutput
+from .hf import adapters, objects as hf
+from .hf.metrics import MemoryTracker
+from .hf.optim import create_optimizer, create_scheduler
+from .hf.seq2seq import Seq2SeqMethods
+from .hf.skeleton import ExampleScriptMethods
+from .hf.trackers import integration_callbacks
+from .hf.trainer_api import HFOverridePoints
+from .optim.optimizers import build_optimizer, get_lr
+from .runtime.seeding import set_seed
 from .strategies.base import unwrap_model
+from .worker import loop
+from .worker.evaluation import EvalLoopOutput, evaluation_loop
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Trainer", "set_seed"]
+__all__ = ["Seq2SeqTrainer", "Trainer", "set_seed", "trainer_class"]
 
 
 class Trainer(HFOverridePoints, ExampleScriptMethods):
@@ -95,6 +97,15 @@ class Trainer(HFOverridePoints, ExampleScriptMethods):
         self.stop_memory_tracking("init")
 
     # ------------------------------------------------------------ public API
+    def _run_loop(self, resume_from_checkpoint, trial) -> TrainOutput:
+        """One training run of worker/loop.py in this process (the bridge's batch-size finder repeats it)."""
+        return loop.train(self, resume_from_checkpoint, trial)
+
+    @staticmethod
+    def _plan_steps(args, dataloader):
+        """The loop's plan of a run over `dataloader`: (batches per epoch, updates per epoch, max_steps, epochs)."""
+        return loop.plan_steps(args, dataloader)
+
     def train(self, resume_from_checkpoint: str | bool | None = None, trial=None,
               ignore_keys_for_eval: list[str] | None = None, **kwargs) -> TrainOutput:
         """Train from scratch, or continue a checkpoint (True: the newest valid one in output_dir)."""
@@ -118,7 +129,7 @@ class Trainer(HFOverridePoints, ExampleScriptMethods):
         try:
             with python_interrupts(self):  # Ctrl-C: save at the next step, then KeyboardInterrupt
                 if not self.args.auto_find_batch_size:
-                    return loop.train(self, resume_from_checkpoint, trial)
+                    return self._run_loop(resume_from_checkpoint, trial)
                 return self._train_finding_batch_size(resume_from_checkpoint, trial)
         finally:
             self.is_in_train = False
@@ -447,3 +458,12 @@ class Trainer(HFOverridePoints, ExampleScriptMethods):
     def stop_memory_tracking(self, stage: str) -> dict[str, int]:
         """The stage's memory metrics (with init's, the first time), or {} under skip_memory_metrics."""
         return {} if self.args.skip_memory_metrics else self._memory.stop(stage)
+
+
+class Seq2SeqTrainer(Seq2SeqMethods, Trainer):
+    """transformers' Seq2SeqTrainer: Trainer with generation in evaluate() / predict() (raytrain.hf.seq2seq)."""
+
+
+def trainer_class(args: Any) -> type[Trainer]:
+    """The CLI's Trainer for `args`: a Seq2SeqTrainer for Seq2SeqTrainingArguments."""
+    return Seq2SeqTrainer if isinstance(args, Seq2SeqTrainingArguments) else Trainer

@@ -1,5 +1,6 @@
-"""The package's shape (ARCHITECTURE.md): imports flow one way, no circle, small files, no reaching into
-another module's private names."""
+"""The package's shape (ARCHITECTURE.md): a root of at most 8 facade modules, imports flow one way, only
+raytrain.hf imports transformers / peft / trl, no circle, small files, no reaching into another module's
+private names."""
 
 from __future__ import annotations
 
@@ -70,6 +71,37 @@ def test_every_module_of_the_package_has_a_layer():
     placed = {name.strip() for layer in layers for name in layer.split("|")}
     top = {".".join(m.split(".")[:2]) for m in _modules() if m != "raytrain"}
     assert top - placed == set(), "place these in pyproject.toml's layers contract"
+
+
+def test_the_root_holds_only_the_facade():
+    root = sorted(n for n in os.listdir(PACKAGE) if n.endswith(".py"))
+    assert len(root) <= 8, f"{len(root)} modules directly under raytrain/: {root}"
+
+
+def test_only_the_hf_bridge_may_import_hugging_face():
+    """The forbidden contract lists every top-level module but raytrain.hf; lint-imports names a
+    transformers import planted in the core (a copy of the package, so the tree is untouched)."""
+    import tomllib
+
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        contracts = tomllib.load(f)["tool"]["importlinter"]["contracts"]
+    forbidden = next(c for c in contracts if c["type"] == "forbidden")
+    assert set(forbidden["forbidden_modules"]) == {"transformers", "peft", "trl"}
+    top = {".".join(m.split(".")[:2]) for m in _modules() if m != "raytrain"}
+    assert top - set(forbidden["source_modules"]) == {"raytrain.hf"}
+
+
+def test_lint_imports_names_a_transformers_import_outside_the_bridge(tmp_path):
+    shutil.copytree(PACKAGE, tmp_path / "raytrain", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(os.path.join(ROOT, "pyproject.toml"), tmp_path)
+    with open(tmp_path / "raytrain" / "optim" / "schedules.py", "a") as f:
+        f.write("\n\ndef _planted():\n    import transformers  # noqa: F401\n")
+    exe = shutil.which("lint-imports") or os.path.join(os.path.dirname(sys.executable), "lint-imports")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    done = subprocess.run([exe, "--no-cache"], cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 1
+    assert "only raytrain.hf imports transformers, peft, trl BROKEN" in done.stdout
+    assert "raytrain.optim.schedules -> transformers" in done.stdout
 
 
 def test_the_import_graph_has_no_circle():

@@ -4,16 +4,8 @@ import re
 
 import pytest
 
-from raytrain.args import (
-    ConfigError,
-    DataConfig,
-    DistributedConfig,
-    ModelConfig,
-    ScalingConfig,
-    TrainingArguments,
-    apply_overrides,
-    cli_help,
-)
+from raytrain.config.args import (ConfigError, DataConfig, DistributedConfig, ModelConfig, ScalingConfig,
+    TrainingArguments, apply_overrides, cli_help)
 
 
 def config_error(match: str, **kwargs) -> str:
@@ -244,7 +236,7 @@ def test_bare_yaml_no_means_the_no_strategy(tmp_path):
 
 
 def test_hf_deepspeed_and_fsdp_fields_select_the_backend_through_a_validated_section(tmp_path):
-    from raytrain.config import DistributedConfig
+    from raytrain.config.sections import DistributedConfig
 
     ds = TrainingArguments(str(tmp_path), deepspeed={"zero_optimization": {"stage": 2}})
     assert isinstance(ds.distributed, DistributedConfig)

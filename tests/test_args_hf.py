@@ -13,8 +13,8 @@ import time
 import pytest
 import torch
 
-import raytrain.validation
-from raytrain.args import TrainingArguments
+import raytrain.config.validation
+from raytrain.config.args import TrainingArguments
 from raytrain.strategies.base import enable_gradient_checkpointing
 from raytrain.strategies.ddp import DDPStrategy, ddp_kwargs
 from raytrain.strategies.single import SingleProcessStrategy
@@ -35,7 +35,7 @@ WORKS = dict(activation_checkpointing=True, activation_checkpointing_kwargs={"us
 
 @pytest.fixture
 def fresh_warnings(monkeypatch):
-    monkeypatch.setattr(raytrain.validation, "_warned", set())  # the warnings are once per process
+    monkeypatch.setattr(raytrain.config.validation, "_warned", set())  # the warnings are once per process
 
 
 def _messages(caplog):

@@ -1,4 +1,4 @@
-"""raytrain.checkpoint: the layout, atomic writes (even under SIGKILL), the manifest and its checks,
+"""raytrain.checkpoint.store: the layout, atomic writes (even under SIGKILL), the manifest and its checks,
 safe loading, rotation with the best kept, and asynchronous saving that writes the same bytes."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from safetensors.torch import load_file
 
 from examples.digits import build_model
 from raytrain import CheckpointError, Trainer, TrainingArguments, get_last_checkpoint
-from raytrain import checkpoint as ckpt
-from raytrain import checkpoint_io
+from raytrain.checkpoint import store as ckpt
+from raytrain.checkpoint import io as checkpoint_io
 from tests.tiny import kill_when_paused
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -295,7 +295,7 @@ def test_corrupt_checkpoint_is_skipped_with_its_reason_or_refused_by_name(tmp_pa
     shutil.copytree(three_checkpoints, out)
     corrupt(out / "checkpoint-6")
 
-    with caplog.at_level(logging.WARNING, logger="raytrain.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="raytrain.checkpoint.store"):
         assert get_last_checkpoint(str(out)) == str(out / "checkpoint-4")
     [warning] = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
     assert str(out / "checkpoint-6" / bad_file) in warning and reason in warning
@@ -487,7 +487,7 @@ def test_weights_read_in_one_pass_equal_safetensors_own_reader(tmp_path):
 
 @pytest.mark.parametrize("size", [0, 100, 4096, 4097, (1 << 20) + 5, 3 << 20])
 def test_direct_io_writes_the_same_bytes_and_checksum_as_the_page_cache(tmp_path, size):
-    from raytrain import checkpoint_io
+    from raytrain.checkpoint import io as checkpoint_io
 
     data = np.random.default_rng(size).integers(0, 256, size, dtype=np.uint8).tobytes()
     pieces = [data[:7], data[7:size // 2], data[size // 2:]]  # writes that straddle the aligned blocks
@@ -498,7 +498,7 @@ def test_direct_io_writes_the_same_bytes_and_checksum_as_the_page_cache(tmp_path
 
 
 def test_direct_io_is_used_where_the_filesystem_allows_it(tmp_path):
-    from raytrain import checkpoint_io
+    from raytrain.checkpoint import io as checkpoint_io
 
     fd = checkpoint_io._open_direct(str(tmp_path / "probe"))
     if fd is None:
@@ -513,7 +513,7 @@ def test_direct_io_is_used_where_the_filesystem_allows_it(tmp_path):
 def test_a_filesystem_that_refuses_direct_writes_falls_back_to_the_page_cache(tmp_path, monkeypatch):
     import errno
 
-    from raytrain import checkpoint_io
+    from raytrain.checkpoint import io as checkpoint_io
 
     if checkpoint_io._open_direct(str(tmp_path / "probe")) is None:
         pytest.skip("this filesystem has no O_DIRECT")

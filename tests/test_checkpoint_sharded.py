@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 pytest.importorskip("transformers")
 
 from raytrain import CheckpointError, TrainerCallback  # noqa: E402
-from raytrain import checkpoint as ckpt  # noqa: E402
+from raytrain.checkpoint import store as ckpt  # noqa: E402
 from tests.hf import scripts  # noqa: E402
 from tests.tiny import StopAt  # noqa: E402
 

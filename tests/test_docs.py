@@ -108,7 +108,7 @@ def test_site_builds_strict(tmp_path):
                           env={**os.environ, "PYTHONPATH": ROOT, "NO_MKDOCS_2_WARNING": "1"})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     reference = (site / "configuration" / "index.html").read_text()
-    from raytrain.args import SECTIONS, TrainingArguments
+    from raytrain.config.args import SECTIONS, TrainingArguments
 
     names = [f.name for f in dataclasses.fields(TrainingArguments) if f.name not in SECTIONS]
     names += [f"{s}.{n}" for s, model in SECTIONS.items() for n in model.model_fields]
@@ -226,7 +226,7 @@ def test_tracking_runs_into_the_store_mlflow_ui_opens(workdir, capsys, monkeypat
     """The MLflow run goes to mlflow.db in the working directory; `mlflow ui` (a server, not started)
     is pointed at that store, which holds the run, and the run prints that very command."""
     mlflow = pytest.importorskip("mlflow")
-    from raytrain.tracking import ui_command
+    from raytrain.tracking.mlflow import ui_command
 
     for name in ("MLFLOW_TRACKING_URI", "MLFLOW_RUN_ID", "MLFLOW_EXPERIMENT_NAME"):
         monkeypatch.delenv(name, raising=False)
@@ -262,7 +262,7 @@ def test_python_snippet_runs(name, workdir, capsys):
 def _check_raytrain_run(argv: list[str]) -> None:
     """A `raytrain.run` command line: its flags exist, its config with every --set validates, its
     search space loads (what the CLI checks before it starts anything)."""
-    from raytrain.args import TrainingArguments
+    from raytrain.config.args import TrainingArguments
     from raytrain.sweep import load_search_spec
 
     flags = {"--config", "--set", "--resume", "--search", "--debug", "--no-report", "--help"}

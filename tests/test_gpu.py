@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from raytrain import Trainer, TrainerCallback, TrainingArguments, get_last_checkpoint
-from raytrain import checkpoint as ckpt
-from raytrain import checkpoint_io
+from raytrain.checkpoint import store as ckpt
+from raytrain.checkpoint import io as checkpoint_io
 from test_checkpoint import ROOT, TESTS, assert_same, make_trainer, weights
 from tiny import StopAt, TinyClassifier, args_for, columns, kill_when_paused, rows
 

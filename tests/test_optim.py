@@ -1,4 +1,4 @@
-"""raytrain.optim: parameter groups, optimizers, and every LR schedule against its closed form."""
+"""raytrain.optim.optimizers: parameter groups, optimizers, and every LR schedule against its closed form."""
 
 import io
 import math
@@ -9,8 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from raytrain.optim import (create_optimizer, create_scheduler, decay_parameter_names, get_lr, get_parameter_groups,
-                            scheduler_needs_metric)
+from raytrain.hf.optim import create_scheduler
+from raytrain.optim.optimizers import create_optimizer, decay_parameter_names, get_lr, get_parameter_groups
+from raytrain.optim.schedules import scheduler_needs_metric
 
 LR = 0.1
 T = 20  # training steps
@@ -373,7 +374,7 @@ def test_optim_args_are_merged():
 
 
 def test_unknown_optimizer_and_optim_args_key():
-    from raytrain.hf_optim import create_optimizer as create_any
+    from raytrain.hf.optim import create_optimizer as create_any
 
     with pytest.raises(ValueError, match=r"optim: unknown optimizer 'lion' \(valid: adamw_torch, adamw_torch_fused, "):
         create_any(nn.Linear(3, 2), make_args(optim="lion"))

@@ -18,8 +18,8 @@ from torch import nn
 
 from examples.digits import build_model
 from raytrain import ConfigError, Trainer, TrainingArguments
-from raytrain.hf_optim import optimizer_cls_and_kwargs
-from raytrain.optim_names import OPTIM_NAMES, TORCH_NAMES
+from raytrain.hf.optim import optimizer_cls_and_kwargs
+from raytrain.hf.names import OPTIM_NAMES, TORCH_NAMES
 from tests.tiny import StopAt
 
 transformers = pytest.importorskip("transformers")

@@ -90,7 +90,7 @@ def test_nothing_to_plot_is_one_line(tmp_path, capsys):
 
 
 def test_plots_use_a_log_scale_across_decades_mark_the_best_checkpoint_and_name_the_metric():
-    from raytrain import plots
+    from raytrain.tracking import plots
 
     loss = {"loss": ([5, 10, 15], [2.0, 0.2, 0.02])}
     fig = plots.draw(loss, "loss")
@@ -104,7 +104,7 @@ def test_plots_use_a_log_scale_across_decades_mark_the_best_checkpoint_and_name_
 
 
 def test_a_sweeps_objective_axis_is_named_after_its_metric(tmp_path):
-    from raytrain import plots
+    from raytrain.tracking import plots
 
     trial = tmp_path / "trial_a1"
     os.makedirs(trial)

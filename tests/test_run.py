@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from raytrain import TrainingArguments, verify_checkpoint
-from raytrain.args import SECTIONS
+from raytrain.config.args import SECTIONS
 from raytrain.run import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

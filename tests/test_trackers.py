@@ -12,11 +12,11 @@ import os
 import pytest
 import torch
 
-import raytrain.callbacks.trackers as trackers
+import raytrain.hf.trackers as trackers
 from raytrain import Trainer, TrainingArguments
-from raytrain.config import ConfigError
+from raytrain.config.sections import ConfigError
 from raytrain.run import main
-from raytrain.state import TrainerControl, TrainerState
+from raytrain.callbacks.state import TrainerControl, TrainerState
 
 from tests.tiny import TinyClassifier, columns
 
@@ -240,9 +240,9 @@ def test_all_is_what_transformers_finds_installed():
 
 
 def test_logging_dir_warns_only_without_tensorboard(tmp_path, caplog, monkeypatch):
-    import raytrain.validation
+    import raytrain.config.validation
 
-    monkeypatch.setattr(raytrain.validation, "_warned", set())
+    monkeypatch.setattr(raytrain.config.validation, "_warned", set())
     TrainingArguments(str(tmp_path), logging_dir="tb", report_to="tensorboard")
     assert "logging_dir" not in caplog.text
     TrainingArguments(str(tmp_path), logging_dir="tb")

@@ -12,7 +12,7 @@ import pytest
 mlflow = pytest.importorskip("mlflow")
 
 from raytrain import Trainer, TrainingArguments  # noqa: E402
-from raytrain.tracking import REDACTED, looks_secret, redact  # noqa: E402
+from raytrain.tracking.mlflow import REDACTED, looks_secret, redact  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEY, ENV_SECRET = "abc-123-secret-xyz", "hunter2-very-secret"
@@ -109,14 +109,14 @@ def test_secret_names_and_values_are_redacted(monkeypatch):
 
 
 def test_artifacts_go_beside_the_sqlite_file():
-    from raytrain.tracking import _artifact_location
+    from raytrain.tracking.mlflow import _artifact_location
 
     assert _artifact_location("sqlite:////data/runs/mlflow.db") == "file:///data/runs/mlartifacts"
     assert _artifact_location("http://mlflow:5000") is None
 
 
 def test_a_run_without_run_name_is_named_after_its_output_dir(tmp_path, monkeypatch):
-    from raytrain import tracking
+    from raytrain.tracking import mlflow as tracking
 
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "names")
     client = mlflow.tracking.MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from raytrain import EarlyStoppingCallback, Trainer, TrainerCallback
-from raytrain.checkpoint import CheckpointError
+from raytrain.checkpoint.store import CheckpointError
 from tests.tiny import StopAt, TinyClassifier, args_for, columns, logged, rows
 
 

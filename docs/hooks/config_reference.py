@@ -1,6 +1,6 @@
 """MkDocs hook: renders TrainingArguments' fields and help texts into configuration.md at build time.
 
-The page holds the marker below; the tables come from raytrain.args (the dataclass fields and the
+The page holds the marker below; the tables come from raytrain.config.args (the dataclass fields and the
 sections in args.SECTIONS), the same source as `python -m raytrain.run --help`, so they cannot drift.
 """
 
@@ -39,8 +39,8 @@ def _row(name: str, annotation, default, text: str) -> str:
 
 
 def render() -> str:
-    from raytrain.args import SECTIONS, TrainingArguments
-    from raytrain.seq2seq_args import SEQ2SEQ_FIELDS, Seq2SeqTrainingArguments
+    from raytrain.config.args import SECTIONS, TrainingArguments
+    from raytrain.config.seq2seq import SEQ2SEQ_FIELDS, Seq2SeqTrainingArguments
 
     head = "| field | type | default | what it does |\n|---|---|---|---|"
     hints = typing.get_type_hints(TrainingArguments, include_extras=True)

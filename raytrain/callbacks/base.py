@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ..state import TrainerControl, TrainerState
+from .state import TrainerControl, TrainerState
 
 # HF's names: transformers.logging settings (and HF's tests) govern the Trainer's HF messages.
 logger = logging.getLogger("transformers.trainer_callback")

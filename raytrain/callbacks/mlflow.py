@@ -13,7 +13,7 @@ import logging
 import os
 import tempfile
 
-from .. import tracking
+from ..tracking import mlflow as tracking
 from .base import ExportableState, TrainerCallback
 
 logger = logging.getLogger(__name__)

@@ -258,7 +258,7 @@ class ProgressReplay:
     bars and lines as an in-process run; the model for the run line is the driver's copy)."""
 
     def __init__(self, callbacks: list, args, model=None):
-        from ..state import TrainerControl, TrainerState
+        from .state import TrainerControl, TrainerState
 
         self.callbacks, self.args, self.model = callbacks, args, model
         self.state, self.control = TrainerState(), TrainerControl()

@@ -131,7 +131,7 @@ _NOT_DATA = {"self", "num_items_in_batch", "return_dict", "output_attentions", "
 
 def model_inputs(model: Any, training: bool = True) -> ModelInputs | None:
     """The batch keys `model.forward` needs; with `training` and a `labels` argument, labels too."""
-    from ..hf import forward_owner
+    from ..hf.objects import forward_owner
 
     fwd = forward_owner(model)
     try:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..config import ConfigError
+from ..config.sections import ConfigError
 
 
 class DataError(ConfigError):

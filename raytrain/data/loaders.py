@@ -21,7 +21,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from .. import hf
+from ..hf import objects as hf
 from .build import build_source
 from .columns import default_collate
 from .errors import DataError

@@ -16,9 +16,9 @@ import re
 import sys
 import time
 
-from ..config import ConfigError
+from ..config.sections import ConfigError
 from ..data.build import blocks_for_workers
-from ..state import TrainerState, TrainOutput
+from ..callbacks.state import TrainerState, TrainOutput
 from ..worker.ray_worker import keeps_best
 from .progress import driver_progress
 from .torch_trainer import build_torch_trainer, fit, scaling_config
@@ -208,7 +208,7 @@ def _apply_result(trainer, value: dict) -> TrainOutput:
     """Rank 0's answer into the driver's trainer, which then evaluates and saves in-process."""
     import torch
 
-    from .. import adapters
+    from ..hf import adapters
     from ..strategies.single import SingleProcessStrategy
 
     trainer.state = TrainerState(**_json(value["state"]))

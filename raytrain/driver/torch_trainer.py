@@ -13,7 +13,7 @@ import threading
 from ray.train.torch import TorchConfig
 from ray.train.torch.config import _TorchBackend
 
-from ..threads import explicit_threads
+from ..runtime.threads import explicit_threads
 from ..worker import ray_worker
 
 __all__ = ["build_torch_trainer", "fit", "scaling_config", "worker_error"]

@@ -150,7 +150,7 @@ class Strategy:
     def read_optimizer_state(self, path: str) -> Any:
         """Read the optimizer state of checkpoint `path`, whichever backend wrote it, in a form that
         `load_optimizer_state` applies; a CheckpointError when this backend cannot use it."""
-        from ..checkpoint import CheckpointError, load_pickle
+        from ..checkpoint.store import CheckpointError, load_pickle
 
         if os.path.exists(os.path.join(path, OPTIMIZER_FILE)):
             return (OPTIMIZER_FILE, load_pickle(os.path.join(path, OPTIMIZER_FILE)))

@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from ..checkpoint_io import HostStaging, lower_thread_priority
-from ..optim import get_parameter_groups
+from ..checkpoint.io import HostStaging, lower_thread_priority
+from ..optim.optimizers import get_parameter_groups
 from .base import DEEPSPEED_DIR, Strategy, TorchDistributedMixin, enable_gradient_checkpointing
 
 AUTO = "auto"
@@ -142,7 +142,7 @@ class DeepSpeedStrategy(TorchDistributedMixin, Strategy):
         return None  # in the engine checkpoint
 
     def read_optimizer_state(self, path: str):
-        from ..checkpoint import CheckpointError
+        from ..checkpoint.store import CheckpointError
 
         directory = os.path.join(path, DEEPSPEED_DIR)
         if not os.path.isdir(directory):

@@ -6,7 +6,7 @@ space does not import search.py and, through BestRun, transformers."""
 
 from __future__ import annotations
 
-from ..lazy import lazy_exports
+from ..runtime.lazy import lazy_exports
 
 _EXPORTS = {
     "search": ["BestRun", "hyperparameter_search"],

@@ -15,7 +15,7 @@ import logging
 import os
 from typing import Any
 
-from ..checkpoint import TRAINER_STATE, checkpoint_dir
+from ..checkpoint.store import TRAINER_STATE, checkpoint_dir
 
 logger = logging.getLogger(__name__)
 

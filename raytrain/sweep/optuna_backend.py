@@ -23,11 +23,11 @@ import logging
 import os
 from typing import Any, Callable
 
-from ..args import TrainingArguments
+from ..config.args import TrainingArguments
 from ..callbacks import TrainerCallback
 from .search import BestRun, hyperparameter_search as ray_search, user_callbacks
-from .space import (FunctionSpace, SearchSpace, default_compute_objective, default_hp_space_optuna, function_space,
-                    space_from_spec)
+from .space import (FunctionSpace, SearchSpace, default_compute_objective, default_hp_space_optuna,
+    function_space, space_from_spec)
 
 logger = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ class _Objective:
     def model(self, trial, params: dict[str, Any] | None):
         """HF's order: model_init(trial) before hp_space(trial) (both may suggest); a model_init taking
         **kwargs gets the trial's model.* values, so hp_space runs first. Seeded as a trial of the Ray backend."""
-        from ..seeding import set_seed
+        from ..runtime.seeding import set_seed
 
         init, base = self.trainer.model_init, self.trainer.args
         seed = int(params.get("seed", base.seed)) if params is not None else base.seed
@@ -227,7 +227,7 @@ class _Objective:
 
 
 def _newest_checkpoint(output_dir: str) -> str | None:
-    from ..checkpoint import get_last_checkpoint
+    from ..checkpoint.store import get_last_checkpoint
 
     return get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
 

@@ -121,7 +121,7 @@ def print_table(df) -> None:
 def write_plots(sweep_dir: str, grid, objective_keys: list[str], study=None) -> list[str]:
     """Optuna's HTML plots (when a study exists) and plots/objective.png (the same plot
     `python -m raytrain.report SWEEP_DIR` draws); returns the files."""
-    from ..plots import sweep_curves, sweep_plot
+    from ..tracking.plots import sweep_curves, sweep_plot
 
     written = []
     if study is not None:

@@ -26,10 +26,11 @@ import importlib.util
 import logging
 import os
 import uuid
-from typing import Any, Callable, NamedTuple
+from typing import Callable
 
-from ..args import ConfigError, TrainingArguments
+from ..config.args import ConfigError, TrainingArguments
 from ..callbacks import DefaultFlowCallback, PrinterCallback, ProgressCallback
+from ..hf.objects import best_run_base
 from .space import SearchSpace, default_compute_objective, load_search_spec, space_from_spec
 
 logger = logging.getLogger(__name__)
@@ -42,22 +43,7 @@ SCHEDULERS = ("asha", "hyperband", "median", "pbt", "none")
 SAMPLERS = ("tpe", "random", "cmaes", "qmc")  # sampler.py builds them
 
 
-class _HFBestRun(NamedTuple):
-    run_id: str
-    objective: float | list[float]
-    hyperparameters: dict[str, Any]
-    run_summary: Any = None
-
-
-def _best_run_base() -> type:
-    try:
-        from transformers.trainer_utils import BestRun as hf_best_run
-    except ImportError:
-        return _HFBestRun
-    return hf_best_run
-
-
-class BestRun(_best_run_base()):
+class BestRun(best_run_base()):
     """HF's BestRun (transformers.trainer_utils.BestRun when installed: isinstance holds and it unpacks
     to HF's four fields): the best trial's id, objective and hyperparameters; run_summary is the
     trials table (a DataFrame). `checkpoint` is the trial's raytrain checkpoint of that objective."""

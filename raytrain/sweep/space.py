@@ -20,8 +20,8 @@ from typing import Any
 
 import yaml
 
-from ..args import ConfigError
-from ..config import apply_overrides
+from ..config.args import ConfigError
+from ..config.sections import apply_overrides
 
 _RANGES = {"uniform": 2, "loguniform": 2, "quniform": 3, "int": 2, "logint": 2, "randint": 2}
 DISTRIBUTIONS = sorted([*_RANGES, "choice"])

@@ -27,7 +27,7 @@ class SweepTracker:
         """The sweep's parent run: the one recorded in the sweep directory (a restored sweep), else new,
         with the sweep's settings as params. Says where the runs are."""
         tracker = cls._open(sweep_dir, name, settings or {})
-        from .. import tracking
+        from ..tracking import mlflow as tracking
 
         print(f"[sweep] MLflow: parent run {name!r} ({tracker.info['parent_id']}), one child run per trial; "
               f"see them with: {tracking.ui_command(tracker.info['uri'])}", flush=True)
@@ -49,7 +49,7 @@ class SweepTracker:
         exp = client.get_experiment_by_name(exp_name)
         exp_id = exp.experiment_id if exp else client.create_experiment(exp_name)
         run = client.create_run(exp_id, run_name=name, tags={"raytrain.sweep_dir": sweep_dir})
-        from .. import tracking
+        from ..tracking import mlflow as tracking
 
         tracking.log_params(client, run.info.run_id, {f"sweep.{k}": str(v) for k, v in settings.items()})
         tracker = cls(uri, exp_id, run.info.run_id)
@@ -115,7 +115,7 @@ def start_child_run(info: dict, trial_id: str, params: dict, args=None) -> str:
         run = client.create_run(info["experiment_id"], run_name=f"trial_{trial_id}",
                                 tags={"mlflow.parentRunId": info["parent_id"], "raytrain.trial_id": trial_id})
         if args is not None:
-            from .. import tracking
+            from ..tracking import mlflow as tracking
             tracking.log_params(client, run.info.run_id, tracking.params_of(args, params))
     run_id = run.info.run_id
     os.environ["MLFLOW_TRACKING_URI"] = info["uri"]

@@ -21,7 +21,7 @@ import time
 import traceback
 from typing import Any, Callable
 
-from ..args import TrainingArguments, apply_overrides
+from ..config.args import TrainingArguments, apply_overrides
 from ..callbacks import TrainerCallback
 from ..driver.torch_trainer import build_torch_trainer, fit
 from ..worker.ray_worker import pickle_trainer, report_in_place
@@ -180,7 +180,7 @@ class _WorkerReporter(_Reporter):
         it missed and Ray rotates the checkpoint by its objective (which Ray's CheckpointConfig needs)."""
         import ray.train
 
-        from ..checkpoint import TRAINER_STATE, checkpoint_dir
+        from ..checkpoint.store import TRAINER_STATE, checkpoint_dir
 
         fs = ray.train.get_context().get_storage().storage_filesystem
         with fs.open_input_stream(f"{directory}/{TRAINER_STATE}") as f:
@@ -255,7 +255,7 @@ def _is_raytrain_checkpoint(checkpoint) -> bool:
     """A URI sweep reports raytrain's checkpoint itself (no pointer file)."""
     import pyarrow.fs
 
-    from ..checkpoint import TRAINER_STATE
+    from ..checkpoint.store import TRAINER_STATE
 
     info = checkpoint.filesystem.get_file_info(f"{checkpoint.path}/{TRAINER_STATE}")
     return info.type == pyarrow.fs.FileType.File
@@ -268,7 +268,7 @@ def _fetch_checkpoint(checkpoint, trial_dir: str) -> tuple[str, bool]:
     directory as checkpoint-<step>, where raytrain's resume and rotation find it."""
     import shutil
 
-    from ..checkpoint import TRAINER_STATE, checkpoint_dir, get_last_checkpoint, sorted_checkpoints
+    from ..checkpoint.store import TRAINER_STATE, checkpoint_dir, get_last_checkpoint, sorted_checkpoints
 
     own = os.path.basename(os.path.dirname(checkpoint.path)) == os.path.basename(trial_dir)
     with checkpoint.filesystem.open_input_file(f"{checkpoint.path}/{TRAINER_STATE}") as f:
@@ -325,7 +325,7 @@ def _run_trial(config: dict[str, Any], spec: dict[str, Any], trial_dir: str) -> 
     import cloudpickle
     from ray import tune
 
-    from ..seeding import set_seed
+    from ..runtime.seeding import set_seed
 
     ctx = tune.get_context()
     trial_id = ctx.get_trial_id()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 
-from ..config import ConfigError
+from ..config.sections import ConfigError
 
 logger = logging.getLogger(__name__)
 

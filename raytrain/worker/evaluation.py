@@ -14,7 +14,7 @@ import torch
 
 from ..data.columns import count_items
 from ..data.loaders import LoaderSource
-from ..state import EvalPrediction
+from ..callbacks.state import EvalPrediction
 
 if TYPE_CHECKING:
     from .protocol import TrainerProtocol

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from .. import checkpoint as ckpt
+from ..checkpoint import store as ckpt
 from . import run_state
 
 if TYPE_CHECKING:

@@ -43,14 +43,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from .. import adapters
-from .. import checkpoint as ckpt
+from ..hf import adapters
+from ..checkpoint import store as ckpt
 from . import elastic, neftune, resume, run_state, tokens
 from ..data.columns import check_same_schema, is_named_datasets
 from ..data.loaders import LoaderSource, check_iterable_training, num_batches
-from ..optim import scheduler_needs_metric
+from ..optim.schedules import scheduler_needs_metric
 from .run_state import RunState
-from ..state import TrainerState, TrainOutput
+from ..callbacks.state import TrainerState, TrainOutput
 
 if TYPE_CHECKING:
     from .protocol import TrainerProtocol

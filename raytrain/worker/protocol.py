@@ -12,9 +12,9 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol
 if TYPE_CHECKING:
     import torch
 
-    from ..args import TrainingArguments
+    from ..config.args import TrainingArguments
     from ..callbacks import CallbackHandler
-    from ..state import TrainerControl, TrainerState
+    from ..callbacks.state import TrainerControl, TrainerState
     from ..strategies.base import Strategy
 
 

@@ -27,9 +27,10 @@ import torch
 
 from ..callbacks import TrainerCallback
 from ..callbacks.progress import ProgressFeeder, plain_logs, progress_callbacks
-from .. import adapters, checkpoint as ckpt
-from ..checkpoint import checkpoint_dir
-from ..checkpoint_io import disk_leaders
+from ..hf import adapters
+from ..checkpoint import store as ckpt
+from ..checkpoint.store import checkpoint_dir
+from ..checkpoint.io import disk_leaders
 from .resume import complete_here, complete_in, restart_point
 
 if TYPE_CHECKING:
@@ -303,8 +304,8 @@ def train_loop_per_worker(config: dict) -> dict | None:
     import ray.train
 
     from . import loop
-    from ..seeding import set_seed
-    from ..threads import apply_threads
+    from ..runtime.seeding import set_seed
+    from ..runtime.threads import apply_threads
 
     ctx = ray.train.get_context()
     os.environ.setdefault("LOCAL_RANK", str(ctx.get_local_rank()))

@@ -20,7 +20,7 @@ import os
 import shutil
 from typing import TYPE_CHECKING
 
-from .. import checkpoint as ckpt
+from ..checkpoint import store as ckpt
 from . import hf_checkpoint, run_state
 
 if TYPE_CHECKING:

@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from .. import adapters, hf
-from .. import checkpoint as ckpt
-from ..state import TrainerState
+from ..hf import adapters, objects as hf
+from ..checkpoint import store as ckpt
+from ..callbacks.state import TrainerState
 
 if TYPE_CHECKING:
     from .protocol import TrainerProtocol

@@ -176,7 +176,7 @@ def _raise_for(signum: int, message: str = ""):
 
 
 def _stopped_message(trainer: TrainerProtocol, stop: StopRequest) -> str:
-    from ..checkpoint import checkpoint_dir
+    from ..checkpoint.store import checkpoint_dir
 
     args, state = trainer.args, trainer.state
     step = stop.stopped_at if stop.stopped_at is not None else state.global_step

@@ -20,7 +20,7 @@ from tests.data.data_helpers import Recorder
 from tests.tiny import StopAt
 from raytrain import Trainer, TrainingArguments
 from raytrain.data import (DataError, DataFileNotFoundError, Files, MapSource, StreamSource, build_source,
-                           model_inputs, plan_epoch, trainer_datasets)
+    model_inputs, plan_epoch, trainer_datasets)
 from raytrain.data.files import ParquetReader
 
 N = 103

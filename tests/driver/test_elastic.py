@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from raytrain import ConfigError, Trainer, TrainerCallback, TrainingArguments
-from raytrain.config import ScalingConfig
+from raytrain.config.sections import ScalingConfig
 
 # ---------------------------------------------------------------- the batch arithmetic (in-process)
 

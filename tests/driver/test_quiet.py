@@ -14,8 +14,8 @@ import sys
 import pytest
 import torch
 
-from raytrain import threads
-from raytrain.config import ConfigError
+from raytrain.runtime import threads
+from raytrain.config.sections import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -99,7 +99,7 @@ def test_the_users_own_set_num_threads_stays(torch_threads):
 
 
 def test_set_seed_applies_the_default_for_the_local_processes(torch_threads, monkeypatch):
-    from raytrain.seeding import set_seed
+    from raytrain.runtime.seeding import set_seed
 
     monkeypatch.setattr(threads, "node_cores", lambda: 4)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # as torchrun sets it, OMP_NUM_THREADS left unset

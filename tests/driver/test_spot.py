@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from raytrain import checkpoint as ckpt
+from raytrain.checkpoint import store as ckpt
 from tests.driver.cluster import SimCluster
 
 # One cluster for the module (one xdist worker). By default the refusal and the loss of rank 1's node run

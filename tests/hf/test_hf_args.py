@@ -97,10 +97,10 @@ def test_accepted_hf_field_constructs(name, tmp_path):
 
 
 def test_push_to_hub_warns_once(tmp_path, caplog, monkeypatch):
-    import raytrain.validation
+    import raytrain.config.validation
 
     _, TrainingArguments = rt()
-    monkeypatch.setattr(raytrain.validation, "_warned", set())  # the warning is once per process
+    monkeypatch.setattr(raytrain.config.validation, "_warned", set())  # the warning is once per process
     with caplog.at_level(logging.WARNING):
         TrainingArguments(str(tmp_path), push_to_hub=True, use_cpu=True, report_to="none")
         TrainingArguments(str(tmp_path), push_to_hub=True, use_cpu=True, report_to="none")
@@ -221,7 +221,7 @@ def test_get_process_log_level_like_hf(replica, tmp_path, monkeypatch):
 def test_parallel_mode_place_model_on_device_and_warmup_like_hf(tmp_path, monkeypatch):
     import sys
 
-    from raytrain.hf_args import ParallelMode
+    from raytrain.hf.args import ParallelMode
 
     _, HFArgs = hf()
     _, TrainingArguments = rt()

@@ -9,7 +9,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from raytrain.args import TrainingArguments
+from raytrain.config.args import TrainingArguments
 from raytrain.data.errors import DataError
 from raytrain.data.loaders import build_loader
 from raytrain.data.sources import Files, MapSource, hf_order

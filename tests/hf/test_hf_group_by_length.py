@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from raytrain.args import TrainingArguments
+from raytrain.config.args import TrainingArguments
 from raytrain.data.errors import DataError
 from raytrain.data.loaders import build_loader
 from raytrain.data.sources import Files, MapSource, group_by_length, hf_order

@@ -219,7 +219,8 @@ def _killed_main(out: str, threads: int, tokenizer_file: str) -> None:
 def test_sigkill_during_a_lora_save_then_resume_is_bit_exact(tmp_path):
     """Killed while checkpoint-6 is being written (every file but the manifest): the run resumes from
     checkpoint-3's adapter, optimizer and RNG (LoRA dropout on) and ends with the uninterrupted run's adapter."""
-    from raytrain import checkpoint_io, get_last_checkpoint
+    from raytrain.checkpoint import io as checkpoint_io
+    from raytrain import get_last_checkpoint
 
     out, flag, tokenizer_file = tmp_path / "run", tmp_path / "paused", tmp_path / "tokenizer.json"
     tokenizer_file.write_text(corpus._tokenizer_json())

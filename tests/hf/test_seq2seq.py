@@ -62,7 +62,7 @@ def test_fields_are_transformers_seq2seq_fields():
     from transformers import HfArgumentParser
 
     (_, HFArgs), (_, Args) = libs()["hf"], libs()["rt"]
-    from raytrain.seq2seq_args import SEQ2SEQ_FIELDS
+    from raytrain.config.seq2seq import SEQ2SEQ_FIELDS
 
     hf_fields, rt_fields = {f.name: f for f in fields(HFArgs)}, {f.name: f for f in fields(Args)}
     assert not sorted(set(hf_fields) - set(rt_fields)), "fields of transformers' Seq2SeqTrainingArguments refused"
@@ -85,10 +85,10 @@ def test_fields_are_transformers_seq2seq_fields():
 
 
 def test_seq2seq_fields_are_validated_in_one_line(tmp_path, caplog, monkeypatch):
-    import raytrain.seq2seq_args
+    import raytrain.config.seq2seq
     from raytrain import ConfigError, Seq2SeqTrainingArguments
 
-    monkeypatch.setattr(raytrain.seq2seq_args, "_warned", set())
+    monkeypatch.setattr(raytrain.config.seq2seq, "_warned", set())
     cases = {"generation_num_beams": (0, "generation_num_beams: must be >= 1, got 0"),
              "generation_max_length": ("x", "generation_max_length: expected an integer, got 'x'"),
              "generation_config": (3, "generation_config: expected a path or model id, a mapping of GenerationConfig "
@@ -118,8 +118,8 @@ def test_seq2seq_fields_are_validated_in_one_line(tmp_path, caplog, monkeypatch)
 def test_config_and_cli_take_the_seq2seq_fields(tmp_path):
     from raytrain import ConfigError, Seq2SeqTrainer, Seq2SeqTrainingArguments, Trainer, TrainingArguments
     from raytrain.run import _parser
-    from raytrain.seq2seq import trainer_class
-    from raytrain.seq2seq_args import arguments_from_yaml
+    from raytrain.trainer import trainer_class
+    from raytrain.config.seq2seq import arguments_from_yaml
     from raytrain.sweep.trial import trial_args
 
     plain, seq = tmp_path / "plain.yaml", tmp_path / "seq.yaml"

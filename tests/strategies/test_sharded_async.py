@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-import raytrain.checkpoint as ckpt
+import raytrain.checkpoint.store as ckpt
 from raytrain import TrainerCallback
 
 STEPS, SAVE_AT = 8, 4

@@ -223,7 +223,7 @@ def test_cloud_storage_path_persists_the_sweep_and_restores_without_the_local_di
     from examples.digits import build_model, compute_metrics
     from raytrain import Trainer, TrainingArguments
     from raytrain.sweep.trial import _fetch_checkpoint
-    from raytrain.checkpoint import load_weights, verify_checkpoint
+    from raytrain.checkpoint.store import load_weights, verify_checkpoint
 
     with moto_bucket(monkeypatch) as (fs, uri):
         train, val = digits

@@ -38,7 +38,7 @@ def test_asha_sweep_directory_table_and_best_checkpoint(ray_cluster, tmp_path, d
     import torch
 
     from examples.digits import build_model, compute_metrics
-    from raytrain.checkpoint import load_weights
+    from raytrain.checkpoint.store import load_weights
 
     before = _ours_in_tmp()
     space = {"learning_rate": {"loguniform": [1e-3, 1e-2]}, "model.hidden_size": {"choice": [32, 64]}}
@@ -280,8 +280,8 @@ def test_a_two_worker_trial_at_a_uri_restores_elsewhere_and_restarts_a_killed_wo
     from safetensors.torch import load as load_safetensors
 
     from examples.digits import build_model, compute_metrics
-    from raytrain.checkpoint import load_weights
-    from raytrain.seeding import set_seed
+    from raytrain.checkpoint.store import load_weights
+    from raytrain.runtime.seeding import set_seed
     from tests.sweep._sweep_driver import KillWorkerOnce, ddp_search, ddp_trainer
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

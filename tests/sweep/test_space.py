@@ -6,7 +6,7 @@ from __future__ import annotations
 import optuna
 import pytest
 
-from raytrain.args import ConfigError
+from raytrain.config.args import ConfigError
 from raytrain.sweep.space import load_search_spec, space_from_spec
 
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from raytrain import CheckpointError, TrainerCallback, get_last_checkpoint
-from raytrain import checkpoint as ckpt
+from raytrain.checkpoint import store as ckpt
 from raytrain.strategies.base import SideChannel
 from test_checkpoint import assert_same, make_trainer, weights
 from tiny import StopAt

@@ -26,9 +26,9 @@ def _members() -> tuple[set[str], set[str]]:
 def _types() -> dict:
     import torch
 
-    from raytrain.args import TrainingArguments
+    from raytrain.config.args import TrainingArguments
     from raytrain.callbacks import CallbackHandler
-    from raytrain.state import TrainerControl, TrainerState
+    from raytrain.callbacks.state import TrainerControl, TrainerState
     from raytrain.strategies.base import Strategy
     return dict(torch=torch, TrainingArguments=TrainingArguments, CallbackHandler=CallbackHandler,
                 TrainerControl=TrainerControl, TrainerState=TrainerState, Strategy=Strategy)

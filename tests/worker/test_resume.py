@@ -127,7 +127,7 @@ def test_resume_at_epoch_end_with_epoch_logging_is_bit_exact(tmp_path, ref_root)
 
 
 def test_resume_from_sharded_weights_is_bit_exact(tmp_path, ref_root, monkeypatch):
-    from raytrain import checkpoint as ckpt
+    from raytrain.checkpoint import store as ckpt
     monkeypatch.setattr(ckpt, "MAX_SHARD_BYTES", 2048)
     ref, ref_log, _ = _reference(ref_root, 1, 25)
     make_trainer(tmp_path, max_steps=25, callbacks=[StopAt(13)]).train()

@@ -9,7 +9,7 @@ import json
 import pyarrow.fs
 
 from raytrain import TrainingArguments
-from raytrain.checkpoint import checkpoints_to_drop
+from raytrain.checkpoint.store import checkpoints_to_drop
 from raytrain.worker.ray_worker import keeps_best, prune_storage
 
 

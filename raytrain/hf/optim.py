@@ -11,9 +11,9 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LRScheduler
 
-from .optim import (build_optimizer, create_scheduler as _torch_schedule, merge_optim_args,
-                    torch_optimizer_cls_and_kwargs)
-from .optim_names import TORCH_NAMES, check_optim, installed
+from ..optim.optimizers import build_optimizer, check_keys, init_keys, merge_optim_args, torch_optimizer_cls_and_kwargs
+from ..optim.schedules import create_scheduler as _own_schedule
+from .names import TORCH_NAMES, check_optim, installed
 
 
 class _HFArgs:
@@ -64,8 +64,27 @@ def create_optimizer(model: nn.Module, args: Any) -> torch.optim.Optimizer:
     return optimizer
 
 
+def _torch_schedule(optimizer: torch.optim.Optimizer, args: Any, num_training_steps: int) -> Any:
+    if args.lr_scheduler_type != "greedy":
+        return _own_schedule(optimizer, args, num_training_steps)
+    greedy = _greedy_class()
+    given = dict(args.lr_scheduler_kwargs or {})
+    check_keys("lr_scheduler_kwargs", "greedy", given, init_keys(greedy) - {"optimizer"})
+    return greedy(optimizer, **given)
+
+
+def _greedy_class():
+    """transformers' GreedyLR, which HF's "greedy" schedule is (stepped with the evaluation metric)."""
+    try:
+        from transformers.optimization import GreedyLR
+    except ImportError:
+        raise ValueError("lr_scheduler_type: 'greedy' is transformers' GreedyLR; install transformers "
+                         "(pip install transformers) or pick another schedule") from None
+    return GreedyLR
+
+
 def create_scheduler(optimizer: torch.optim.Optimizer, args: Any, num_training_steps: int) -> Any:
-    """raytrain.optim's schedule; for a layer-wise optimizer (GaLore / APOLLO) one per parameter's optimizer,
+    """raytrain.optim's schedule, or transformers' GreedyLR for "greedy"; for a layer-wise optimizer (GaLore / APOLLO) one per parameter's optimizer,
     stepped in the parameter's gradient hook as HF's get_scheduler does."""
     inner = getattr(optimizer, "optimizer_dict", None)
     if inner is None:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .args import TrainingArguments
-from .config import import_string
+from ..config.args import TrainingArguments
+from ..config.sections import import_string
 
 SEARCH_HELP = """\
 search YAML (--search FILE; each key can be overridden with --set search.KEY=VALUE):
@@ -25,8 +25,8 @@ search YAML (--search FILE; each key can be overridden with --set search.KEY=VAL
 def run_search_cli(args: TrainingArguments, job: dict, path: str, resume: Any = "auto",
                    spec: dict | None = None) -> int:
     """python -m raytrain.run --config X.yaml --search S.yaml [--set search.KEY=VALUE] [--resume auto|never]"""
-    from .sweep import hyperparameter_search, load_search_spec, space_from_spec
-    from .seq2seq import trainer_class
+    from ..sweep import hyperparameter_search, load_search_spec, space_from_spec
+    from ..trainer import trainer_class
 
     spec = spec if spec is not None else load_search_spec(path)
     space = space_from_spec(spec["space"])

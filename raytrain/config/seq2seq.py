@@ -14,7 +14,7 @@ from typing import Annotated, Any, get_type_hints
 from pydantic import Field, create_model, field_validator
 
 from .args import SECTIONS, TrainingArguments, UnknownFieldError
-from .config import ConfigError, StrictModel, show_value, unknown_field_message
+from .sections import ConfigError, StrictModel, show_value, unknown_field_message
 
 logger = logging.getLogger(__name__)
 

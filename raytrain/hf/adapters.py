@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from . import checkpoint as ckpt
-from . import hf
-from .strategies.base import frozen_names, unwrap_model
+from ..checkpoint import store as ckpt
+from . import objects as hf
+from ..strategies.base import frozen_names, unwrap_model
 
 logger = logging.getLogger(__name__)
 

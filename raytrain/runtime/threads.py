@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from .config import ConfigError
+from ..config.sections import ConfigError
 
 __all__ = ["THREADS_ENV", "apply_threads", "default_threads", "explicit_threads", "node_cores"]
 

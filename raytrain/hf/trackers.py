@@ -18,8 +18,8 @@ import socket
 from datetime import datetime
 from typing import Any
 
-from .. import tracking
-from .base import EVENTS, TrainerCallback
+from ..tracking import mlflow as tracking
+from ..callbacks.base import EVENTS, TrainerCallback
 
 #: transformers' integrations that report from each node's first rank rather than from rank 0 alone.
 _PER_NODE = ("CodeCarbonCallback",)
@@ -35,7 +35,7 @@ def integration_callbacks(args) -> list:
     use_transformers = transformers_installed()
     for name in args.report_to:
         if name == "mlflow":
-            from .mlflow import MLflowCallback
+            from ..callbacks.mlflow import MLflowCallback
 
             out.append(MLflowCallback)
         elif use_transformers:

@@ -10,7 +10,7 @@ import functools
 import inspect
 import logging
 import os
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -63,7 +63,7 @@ def default_collator(processing_class: Any):
 def forward_owner(model: Any) -> Any:
     """The module whose forward names the model's inputs: the user's inside wrappers, a PEFT model's base
     (a PeftModel without a task type takes *args, **kwargs), as HF inspects it."""
-    from .strategies.base import unwrap_model
+    from ..strategies.base import unwrap_model
 
     model = unwrap_model(model)
     return model.get_base_model() if is_peft_model(model) else model
@@ -164,7 +164,7 @@ def save_pretrained_files(model: Any, processing_class: Any, args: Any, director
     """What from_pretrained needs beside the weights: config.json (+ generation_config.json), the
     processing class's files and training_args.bin. Returns the file names written."""
     before = set(os.listdir(directory)) if os.path.isdir(directory) else set()
-    from .strategies.base import unwrap_model
+    from ..strategies.base import unwrap_model
 
     model = unwrap_model(model)  # a compiled model's config is its module's
     if is_pretrained_model(model) and not is_peft_model(model):  # a PEFT model's config is the base's
@@ -185,7 +185,7 @@ def default_label_names(model) -> list[str]:
     if is_pretrained_model(model):
         from transformers.utils import find_labels
 
-        from .strategies.base import unwrap_model
+        from ..strategies.base import unwrap_model
         names = find_labels(type(unwrap_model(model)))
         if names:
             return names
@@ -195,7 +195,7 @@ def default_label_names(model) -> list[str]:
 def accepts_loss_kwargs(model) -> bool:
     """HF's model_accepts_loss_kwargs: the model's own accepts_loss_kwargs, else whether its forward takes
     **kwargs (or num_items_in_batch by name): HF then counts num_items_in_batch for every batch."""
-    from .strategies.base import unwrap_model
+    from ..strategies.base import unwrap_model
 
     inner = unwrap_model(model)
     if hasattr(inner, "accepts_loss_kwargs"):
@@ -210,7 +210,7 @@ def accepts_loss_kwargs(model) -> bool:
 def loss_shifts_labels(model) -> bool:
     """HF's rule for counting a batch's loss items over labels[..., 1:]: the model's loss_type maps to
     transformers' causal-LM loss, and it is not an encoder-decoder."""
-    from .strategies.base import unwrap_model
+    from ..strategies.base import unwrap_model
 
     inner = unwrap_model(model)
     if not is_pretrained_model(inner):
@@ -223,7 +223,7 @@ def loss_shifts_labels(model) -> bool:
 
 def accepts_num_items(model) -> bool:
     """Whether the model's forward takes num_items_in_batch (then it normalises its loss itself)."""
-    from .strategies.base import unwrap_model
+    from ..strategies.base import unwrap_model
 
     fwd = unwrap_model(model).forward
     try:
@@ -231,3 +231,18 @@ def accepts_num_items(model) -> bool:
     except (TypeError, ValueError):
         return False
     return "num_items_in_batch" in params
+
+
+class _HFBestRun(NamedTuple):  # transformers' BestRun where it is not installed
+    run_id: str
+    objective: float | list[float]
+    hyperparameters: dict[str, Any]
+    run_summary: Any = None
+
+
+def best_run_base() -> type:
+    try:
+        from transformers.trainer_utils import BestRun as hf_best_run
+    except ImportError:
+        return _HFBestRun
+    return hf_best_run

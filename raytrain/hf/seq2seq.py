@@ -1,4 +1,4 @@
-"""Seq2SeqTrainer: HF's Seq2SeqTrainer on raytrain's Trainer. With predict_with_generate, evaluate() and
+"""HF's Seq2SeqTrainer methods, mixed into raytrain's Trainer as raytrain.Seq2SeqTrainer. With predict_with_generate, evaluate() and
 predict() run the model's generate() (args' generation_max_length / generation_num_beams, or **gen_kwargs)
 and hand compute_metrics the generated token ids, padded as HF pads them."""
 
@@ -10,19 +10,14 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
-from .seq2seq_args import Seq2SeqTrainingArguments
-from .strategies.base import unwrap_model
-from .trainer import Trainer
+from ..strategies.base import unwrap_model
 
 if TYPE_CHECKING:
-    from .args import TrainingArguments
-    from .state import PredictionOutput
+    from ..config.args import TrainingArguments
+    from ..callbacks.state import PredictionOutput
 
-__all__ = ["Seq2SeqTrainer", "Seq2SeqTrainingArguments", "trainer_class"]
-
-
-class Seq2SeqTrainer(Trainer):
-    """transformers' Seq2SeqTrainer: the same arguments as Trainer; args is best a Seq2SeqTrainingArguments
+class Seq2SeqMethods:
+    """transformers' Seq2SeqTrainer over a Trainer: the same arguments as Trainer; args is best a Seq2SeqTrainingArguments
     (a plain TrainingArguments means no generation, as in HF)."""
 
     def __init__(self, model: torch.nn.Module | None = None, args: TrainingArguments | None = None,
@@ -155,7 +150,3 @@ class Seq2SeqTrainer(Trainer):
         padded[:, : tensor.shape[-1]] = tensor
         return padded
 
-
-def trainer_class(args: Any) -> type[Trainer]:
-    """The CLI's Trainer for `args`: a Seq2SeqTrainer for Seq2SeqTrainingArguments."""
-    return Seq2SeqTrainer if isinstance(args, Seq2SeqTrainingArguments) else Trainer

@@ -26,9 +26,9 @@ from typing import Any, Callable
 import torch
 from safetensors import SafetensorError
 
-from .checkpoint_io import (ALGORITHMS, CHECKSUM, ChecksumMismatch, HostStaging, describe_files, disk_leaders,
-                            file_checksum, lower_thread_priority, maybe_pause, read_safetensors, rename_into_place,
-                            save_pickle, write_json, write_safetensors)
+from .io import (ALGORITHMS, CHECKSUM, ChecksumMismatch, HostStaging, describe_files, disk_leaders, file_checksum,
+    lower_thread_priority, maybe_pause, read_safetensors, rename_into_place, save_pickle, write_json,
+    write_safetensors)
 
 logger = logging.getLogger(__name__)
 

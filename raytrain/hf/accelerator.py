@@ -12,7 +12,7 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 
-from .strategies.base import unwrap_model
+from ..strategies.base import unwrap_model
 
 
 def _live() -> bool:

@@ -14,8 +14,8 @@ import torch
 
 from .accelerator import Accelerator
 from .metrics import format_metrics, write_metrics
-from .hf_optim import optimizer_cls_and_kwargs
-from .optim import decay_parameter_names
+from .optim import optimizer_cls_and_kwargs
+from ..optim.optimizers import decay_parameter_names
 
 # HF's name: transformers.logging settings (and HF's tests) govern the Trainer's HF messages.
 logger = logging.getLogger("transformers.trainer")

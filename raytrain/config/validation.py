@@ -13,32 +13,11 @@ from typing import Any
 
 from pydantic import field_validator, model_validator
 
-from .config import ConfigError, StrictModel, parse_pairs, show_number, show_value
-from .hf_args import deprecated_alias
-from .optim_names import LOW_RANK, check_optim, installed
+from .sections import ConfigError, StrictModel, parse_pairs, show_number, show_value
+from ..hf.args import deprecated_alias
+from ..hf.names import INTEGRATIONS, LOW_RANK, OWN_INTEGRATIONS, available_integrations, check_optim, installed
 
 logger = logging.getLogger(__name__)
-
-#: report_to's names: transformers 5.23's INTEGRATION_TO_CALLBACK -> (the modules it needs, their pip packages).
-#: mlflow is raytrain's own tracking; tensorboard runs without transformers too; the rest are transformers'.
-INTEGRATIONS: dict[str, tuple[tuple[str, ...], str]] = {
-    "azure_ml": (("azureml.core.run",), "azureml-core"),
-    "clearml": (("clearml",), "clearml"),
-    "codecarbon": (("codecarbon",), "codecarbon"),
-    "comet_ml": (("comet_ml",), "comet-ml"),
-    "dagshub": (("dagshub",), "dagshub"),
-    "dvclive": (("dvclive",), "dvclive"),
-    "flyte": (("flytekit",), "flytekit"),
-    "kubeflow": ((), ""),  # no package: KUBEFLOW_TRAINER_SERVER_URL, set inside a Kubeflow Trainer job
-    "mlflow": (("mlflow",), "mlflow"),
-    "neptune": (("neptune",), "neptune"),
-    "swanlab": (("swanlab",), "swanlab"),
-    "tensorboard": (("tensorboard", "tensorboardX"), "tensorboard"),  # either writer, as transformers
-    "trackio": (("trackio",), "trackio"),
-    "wandb": (("wandb",), "wandb"),
-}
-#: Integrations raytrain runs itself; the others are transformers' callbacks.
-OWN_INTEGRATIONS = ("mlflow", "tensorboard")
 
 _HF_NOOP_WARNINGS = {
     "push_to_hub": "push_to_hub is not supported; the model is saved locally in output_dir",
@@ -79,16 +58,6 @@ def _check_installed(name: str) -> None:
     if missing:
         raise ValueError(f"{name} needs {' and '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
                          f"not installed; pip install {' '.join(missing)}")
-
-
-def available_integrations() -> list[str]:
-    """report_to "all": transformers' get_available_reporting_integrations where it is installed (its
-    order and rules), else those of raytrain's own (mlflow, tensorboard) whose library is installed."""
-    if installed("transformers"):
-        from transformers.integrations import get_available_reporting_integrations
-
-        return list(get_available_reporting_integrations())
-    return [n for n in OWN_INTEGRATIONS if any(installed(m) for m in INTEGRATIONS[n][0])]
 
 
 def warn_noop_fields(args) -> None:

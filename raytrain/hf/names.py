@@ -1,5 +1,5 @@
-"""transformers 5.23's `optim` names, the libraries each needs, and the one-line refusal of a name that
-cannot be built here. Light (no torch, no transformers): argument validation and the CLI's config check
+"""transformers 5.23's names that arguments take (`optim`, `report_to`), the libraries each needs, and the
+one-line refusal of an optim name that cannot be built here. Light (no torch, no transformers): argument validation and the CLI's config check
 call it before any work."""
 
 from __future__ import annotations
@@ -83,3 +83,35 @@ def check_optim(name: str) -> None:
     if missing:
         raise ValueError(f"{name} needs {' and '.join(missing)}, which {'is' if len(missing) == 1 else 'are'} "
                          f"not installed; pip install {' '.join(missing)}")
+
+
+#: report_to's names: transformers 5.23's INTEGRATION_TO_CALLBACK -> (the modules it needs, their pip packages).
+#: mlflow is raytrain's own tracking; tensorboard runs without transformers too; the rest are transformers'.
+INTEGRATIONS: dict[str, tuple[tuple[str, ...], str]] = {
+    "azure_ml": (("azureml.core.run",), "azureml-core"),
+    "clearml": (("clearml",), "clearml"),
+    "codecarbon": (("codecarbon",), "codecarbon"),
+    "comet_ml": (("comet_ml",), "comet-ml"),
+    "dagshub": (("dagshub",), "dagshub"),
+    "dvclive": (("dvclive",), "dvclive"),
+    "flyte": (("flytekit",), "flytekit"),
+    "kubeflow": ((), ""),  # no package: KUBEFLOW_TRAINER_SERVER_URL, set inside a Kubeflow Trainer job
+    "mlflow": (("mlflow",), "mlflow"),
+    "neptune": (("neptune",), "neptune"),
+    "swanlab": (("swanlab",), "swanlab"),
+    "tensorboard": (("tensorboard", "tensorboardX"), "tensorboard"),  # either writer, as transformers
+    "trackio": (("trackio",), "trackio"),
+    "wandb": (("wandb",), "wandb"),
+}
+#: Integrations raytrain runs itself; the others are transformers' callbacks.
+OWN_INTEGRATIONS = ("mlflow", "tensorboard")
+
+
+def available_integrations() -> list[str]:
+    """report_to "all": transformers' get_available_reporting_integrations where it is installed (its
+    order and rules), else those of raytrain's own (mlflow, tensorboard) whose library is installed."""
+    if installed("transformers"):
+        from transformers.integrations import get_available_reporting_integrations
+
+        return list(get_available_reporting_integrations())
+    return [n for n in OWN_INTEGRATIONS if any(installed(m) for m in INTEGRATIONS[n][0])]

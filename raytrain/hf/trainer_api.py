@@ -11,10 +11,9 @@ import sys
 
 import torch
 
-from . import checkpoint as ckpt
-from .optim import scheduler_needs_metric
-from .state import TrainerControl, TrainerState, TrainOutput
-from .worker import loop
+from ..checkpoint import store as ckpt
+from ..optim.schedules import scheduler_needs_metric
+from ..callbacks.state import TrainerControl, TrainerState, TrainOutput
 
 # HF's name: transformers.logging settings (and HF's tests) govern the Trainer's HF messages.
 logger = logging.getLogger("transformers.trainer")
@@ -89,7 +88,7 @@ class HFOverridePoints:
         """HF's (num_train_epochs, num_update_steps_per_epoch, num_examples, num_train_samples,
         total_train_batch_size, steps_in_epoch, max_steps) of a run over `dataloader`, by the plan the
         loop makes; a dataloader without a length runs max_steps, as HF. Nothing is set, despite the name."""
-        n_batches, per_epoch, max_steps, epochs = loop.plan_steps(args, dataloader)
+        n_batches, per_epoch, max_steps, epochs = self._plan_steps(args, dataloader)
         total = self.get_total_train_batch_size(args)
         if n_batches is None:
             if args.max_steps <= 0:
@@ -145,7 +144,7 @@ class HFOverridePoints:
             while True:
                 object.__setattr__(self.args, "per_device_train_batch_size", self._train_batch_size)
                 try:
-                    return loop.train(self, resume_from_checkpoint, trial)
+                    return self._run_loop(resume_from_checkpoint, trial)
                 except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
                     bs = self._train_batch_size
                     smaller = int(bs * 0.9)  # HF's step (accelerate's find_executable_batch_size)

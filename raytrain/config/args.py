@@ -19,10 +19,9 @@ from typing import Annotated, Any, Callable, Literal, get_args, get_origin, get_
 import yaml
 from pydantic import BaseModel, Field, create_model
 
-from .config import (  # noqa: F401  (re-exported: the sections and errors are part of args' API)
-    ConfigError, DataConfig, DistributedConfig, ModelConfig, ScalingConfig, StrictModel, apply_overrides,
-    unknown_field_message)
-from .hf_args import HFArgumentMethods
+from .sections import (ConfigError, DataConfig, DistributedConfig, ModelConfig, ScalingConfig, StrictModel,
+    apply_overrides, unknown_field_message)
+from ..hf.args import HFArgumentMethods
 from .validation import ArgumentRules, mirror_aliases, warn_noop_fields
 
 logger = logging.getLogger(__name__)

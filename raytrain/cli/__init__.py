@@ -1,0 +1,1 @@
+"""The command line's parts beside raytrain.run: the --search sweep."""

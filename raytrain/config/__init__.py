@@ -1,0 +1,1 @@
+"""What a run is told: TrainingArguments (HF's fields) and their validation, the CLI config's sections."""

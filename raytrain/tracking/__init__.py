@@ -1,0 +1,1 @@
+"""What a run records outside its checkpoints: MLflow runs, and the PNG curves of a run or a sweep."""
