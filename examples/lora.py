@@ -11,6 +11,8 @@ into blocks of `block_size` tokens, as transformers' run_clm.py does.
 
 from __future__ import annotations
 
+import warnings
+
 import functools
 
 import numpy as np
@@ -98,7 +100,9 @@ def build_model(r: int = 8, alpha: int = 16, dropout: float = 0.05,
 
     config = LoraConfig(r=int(r), lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
                         task_type="CAUSAL_LM")
-    return get_peft_model(build_base_model(**base), config)
+    with warnings.catch_warnings():  # peft 0.21 reads transformers 5's deprecated is_gradient_checkpointing
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        return get_peft_model(build_base_model(**base), config)
 
 
 def compute_metrics(pred) -> dict[str, float]:

@@ -20,7 +20,7 @@ from typing import Any
 
 from .config.args import ConfigError, TrainingArguments, cli_help
 from .cli.search import SEARCH_HELP, run_search_cli
-from .config.sections import import_string
+from .config.sections import import_string, missing_package
 from .config.seq2seq import arguments_from_yaml, seq2seq_help
 
 EXIT_CONFIG = 2
@@ -83,10 +83,14 @@ def build_job(args: TrainingArguments) -> dict[str, Any]:
         job: dict[str, Any] = {"model": model_factory(**args.model.kwargs)}
     except TypeError as e:
         raise ConfigError(f"model: {args.model.factory} rejected its arguments ({e})") from None
+    except ModuleNotFoundError as e:
+        raise missing_package(e, "model.factory", args.model.factory) or e from None
     try:
         datasets = data_factory(**args.data.kwargs)
     except TypeError as e:
         raise ConfigError(f"data: {args.data.factory} rejected its arguments ({e})") from None
+    except ModuleNotFoundError as e:
+        raise missing_package(e, "data.factory", args.data.factory) or e from None
     if isinstance(datasets, dict) and "train" in datasets:
         job["train_dataset"], job["eval_dataset"] = datasets["train"], datasets.get("eval")
         if datasets.get("processing_class") is not None:  # a tokenizer: final/ saves it beside the model
@@ -383,6 +387,19 @@ def _resumed_step(output_dir: str, resume) -> int | None:
     return TrainerState.load_from_json(os.path.join(path, "trainer_state.json")).global_step
 
 
+def _last_evaluation(trainer) -> dict | None:
+    """The evaluation logged at the run's last step, when the model is still the one it evaluated (no other
+    best checkpoint loaded at the end): the summary reuses it rather than evaluating and printing it again."""
+    state, args = trainer.state, trainer.args
+    best = state.best_model_checkpoint
+    if args.load_best_model_at_end and best and os.path.basename(best) != f"checkpoint-{state.global_step}":
+        return None
+    last = next((e for e in reversed(state.log_history) if any(k.startswith("eval_") for k in e)), None)
+    if last is None or last.get("step") != state.global_step:
+        return None
+    return {k: v for k, v in last.items() if k.startswith("eval_")}
+
+
 def _finish(trainer, out, report: bool, run: _TrackedRun) -> dict:
     """After training: the final evaluation, model, trainer_state.json, plots and MLflow artifacts."""
     from .checkpoint.store import ADAPTER_WEIGHTS, WEIGHTS, WEIGHTS_INDEX
@@ -391,7 +408,7 @@ def _finish(trainer, out, report: bool, run: _TrackedRun) -> dict:
     summary = {"global_step": out.global_step, "train_loss": out.training_loss,
                "train_runtime": out.metrics.get("train_runtime")}
     if trainer.eval_dataset is not None:
-        summary.update(trainer.evaluate())
+        summary.update(_last_evaluation(trainer) or trainer.evaluate())
     final = trainer.save_model(os.path.join(args.output_dir, "final"))
     trainer.state.save_to_json(os.path.join(args.output_dir, "trainer_state.json"))
     summary["model"] = next((p for p in (os.path.join(final, n) for n in (WEIGHTS, ADAPTER_WEIGHTS, WEIGHTS_INDEX))

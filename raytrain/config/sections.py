@@ -304,11 +304,28 @@ def _first_error(root: type[BaseModel], exc: ValidationError) -> str:
     return f"{field}: expected {' or '.join(expected)}, got {show_value(err['input'])}"
 
 
+#: The extra of raytrain that installs each optional package a factory may need.
+EXTRAS = {"peft": "peft", "trl": "trl", "transformers": "hf", "datasets": "hf", "accelerate": "hf",
+          "tokenizers": "hf", "deepspeed": "deepspeed"}
+
+
+def missing_package(error: ModuleNotFoundError, field: str, path: str) -> ConfigError | None:
+    """A factory's missing optional package as one line naming the pip extra that installs it."""
+    package = (error.name or "").split(".")[0]
+    if package not in EXTRAS:
+        return None
+    return ConfigError(f"{field}: {path} needs {package}, which is not installed; "
+                       f"pip install \"raytrain[{EXTRAS[package]}]\" (or pip install -e \".[{EXTRAS[package]}]\")")
+
+
 def import_string(path: str, field: str) -> Callable:
     """'package.module:attr' -> the object; a ConfigError naming `field` if it cannot be found."""
     module_name, _, attr = path.partition(":")
     try:
         module = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        raise missing_package(e, field, path) or ConfigError(
+            f"{field}: cannot import module {module_name!r} ({e})") from None
     except ImportError as e:
         raise ConfigError(f"{field}: cannot import module {module_name!r} ({e})") from None
     try:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import copy
 import logging
 import os
-from typing import Any
+import warnings
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import torch
 
@@ -96,7 +98,8 @@ def save_merged(peft: Any, state: dict[str, torch.Tensor], directory: str, proce
         raise ValueError(f"save_merged_model: the base model is a {type(base).__name__}, not a transformers "
                          "model that from_pretrained could load; save the adapter alone")
     first, *others = peft.peft_config
-    with torch.device("meta"):
+    with torch.device("meta"), warnings.catch_warnings():  # peft 0.21 reads transformers 5's deprecated name
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
         skeleton = get_peft_model(type(base)(copy.deepcopy(base.config)), copy.deepcopy(peft.peft_config[first]),
                                   adapter_name=first)
         for name in others:
@@ -105,7 +108,8 @@ def save_merged(peft: Any, state: dict[str, torch.Tensor], directory: str, proce
     skeleton.load_state_dict({k: v.detach().clone() for k, v in state.items()}, strict=True, assign=True)
     merged = skeleton.merge_and_unload()
     os.makedirs(directory, exist_ok=True)
-    merged.save_pretrained(directory)
+    with _no_progress_bars():
+        merged.save_pretrained(directory)
     if processing_class is not None and hasattr(processing_class, "save_pretrained"):
         processing_class.save_pretrained(directory)
     return directory
@@ -138,3 +142,17 @@ def describe(directory: str) -> str:
     return (f"{directory}: the LoRA/PEFT adapter ({ckpt.ADAPTER_WEIGHTS}, {ckpt.ADAPTER_CONFIG}), not a full "
             f"model: load it with PeftModel.from_pretrained(base_model, {directory!r}), or set save_merged_model "
             f"for a full model in {os.path.join(directory, MERGED_DIR)}")
+
+
+@contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """transformers' "Writing model shards" bar is noise in a run's log: off while raytrain saves."""
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was:
+            hf_logging.enable_progress_bar()

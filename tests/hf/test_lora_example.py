@@ -60,10 +60,15 @@ def test_the_example_trains_and_its_final_adapter_and_merged_model_load(tmp_path
     from examples.lora import build_base_model, build_tokenizer
 
     out = tmp_path / "lora"
-    proc = _cli(["--config", "examples/lora.yaml", "--set", f"output_dir={out}", *SMALL])
+    proc = _cli(["--config", "examples/lora.yaml", "--set", f"output_dir={out}", *SMALL],
+                {"PYTHONWARNINGS": "default"})
+    assert "FutureWarning" not in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     summary = json.loads(proc.stdout.split("summary: ")[1].splitlines()[0])
     losses = _eval_losses(out)
-    assert [s for s, _ in losses] == [0, 4, 8, 8]  # the base model's, two evaluations, the CLI's final one
+    # the base model's and two evaluations; the summary reuses step 8's (the best, still loaded): shown once
+    assert [s for s, _ in losses] == [0, 4, 8]
+    lines = (proc.stdout + proc.stderr).splitlines()
+    assert sum(1 for ln in lines if ln.startswith("step 8/8 eval_loss=")) == 1
     assert summary["eval_loss"] == losses[-1][1] < losses[1][1] < losses[0][1]
     assert summary["best_model_checkpoint"] == str(out / "checkpoint-8")
     assert sorted(n for n in os.listdir(out) if n.startswith("checkpoint-")) == ["checkpoint-4", "checkpoint-8"]
@@ -84,6 +89,20 @@ def test_the_example_trains_and_its_final_adapter_and_merged_model_load(tmp_path
         assert AutoTokenizer.from_pretrained(str(saved))(text)["input_ids"] == build_tokenizer()(text)["input_ids"]
 
 
+def test_a_missing_extra_is_one_line_naming_it(tmp_path):
+    """The README's LoRA command without the peft extra: one line naming the package and the extra, exit 2."""
+    code = ("import sys; sys.modules['peft'] = None; from raytrain.run import main; "
+            f"sys.exit(main(['--config', 'examples/lora.yaml', '--set', 'output_dir={tmp_path}', '--no-report']))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": ROOT})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr
+    [line] = [ln for ln in proc.stderr.splitlines() if "peft" in ln]
+    assert line.startswith("error: model.factory: examples.lora:build_model needs peft, which is not installed")
+    assert 'pip install "raytrain[peft]"' in line
+    assert set(os.listdir(tmp_path)) <= {"raytrain.log"}  # no checkpoint, no final model: nothing started
+
+
 @pytest.mark.ray
 @pytest.mark.timeout(300)
 def test_the_example_on_two_ray_workers(ray_cluster, tmp_path):
@@ -98,7 +117,7 @@ def test_the_example_on_two_ray_workers(ray_cluster, tmp_path):
     proc = _cli([*shown, "--set", f"output_dir={out}", *SMALL], env)
     assert "| 2 processes (ddp) |" in proc.stdout + proc.stderr
     losses = _eval_losses(out)
-    assert [s for s, _ in losses] == [0, 4, 8, 8] and losses[-1][1] < losses[0][1]
+    assert [s for s, _ in losses] == [0, 4, 8] and losses[-1][1] < losses[0][1]
     PeftModel.from_pretrained(build_base_model(), str(out / "final"))
     assert os.path.isfile(out / "final" / "merged" / "model.safetensors")
 
