@@ -1,0 +1,1 @@
+pip install -e ".[peft]" && python -m raytrain.run --config examples/lora.yaml
