@@ -12,7 +12,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 WHEELS=benchmarks/wheels
-# What a one-process raytrain run imports and that machine lacks: pydantic (raytrain/config.py) and its
+# What a one-process raytrain run imports and that machine lacks: pydantic (raytrain/config/) and its
 # needs. Ray, Optuna, MLflow, plotly and cmaes are not imported by a one-process run or these tests.
 # Ray does not fit the 64 MiB carry limit: its Python 3.12 wheel alone is 79.3 MB (ray 2.60.0).
 PINS="pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 typing-inspection==0.4.2 typing-extensions==4.16.0"

@@ -4,7 +4,7 @@ A checkpoint `output_dir/checkpoint-N/` is written into `.tmp-checkpoint-N/` and
 only after every file is fsynced and, last, `manifest.json` (size and checksum of every file, with
 the algorithm's name) is written. So a crash at any instant leaves at most one complete new
 checkpoint, never a half-written one. Files are written concurrently (weights, optimizer, small
-files), each checksummed while it is written (no second read; checkpoint_io.py), and verified against
+files), each checksummed while it is written (no second read; io.py), and verified against
 the manifest before anything is loaded from it. Weights are safetensors; everything pickled is
 loaded with `weights_only=True`, so a checkpoint cannot run code.
 """
@@ -326,7 +326,7 @@ class CheckpointWriter:
         return [obj]
 
     def _disk_leaders(self) -> list[int]:
-        """Each rank's disk leader (checkpoint_io.disk_leaders), found once; without all_gather, rank 0."""
+        """Each rank's disk leader (io.disk_leaders), found once; without all_gather, rank 0."""
         if self._leaders is None:
             one = self.all_gather is None or self.world_size == 1
             self._leaders = [0] * self.world_size if one else disk_leaders(self.output_dir, self.rank, self.all_gather)

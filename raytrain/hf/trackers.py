@@ -6,7 +6,7 @@ transformers' callbacks take the events as raytrain fires them (args, state, con
 logs=...). Each is given the arguments with secrets redacted (to_dict, to_json_string and
 to_sanitized_dict go through tracking.redact) and runs on rank 0 only, as MLflowCallback does
 (state.is_world_process_zero); codecarbon, which measures each node, on each node's first rank.
-This module and hf.py are the ones that import transformers, and only when it is installed.
+Like every module that imports transformers, it lives in raytrain.hf and imports it only when installed.
 """
 
 from __future__ import annotations

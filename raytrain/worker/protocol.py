@@ -73,7 +73,7 @@ class TrainerProtocol(Protocol):
 
     def is_world_process_zero(self) -> bool: ...
 
-    # -- HF's underscore override points (its subclasses and tests patch them; raytrain/trainer_hf.py)
+    # -- HF's underscore override points (its subclasses and tests patch them; raytrain/hf/trainer_api.py)
     def _evaluate(self, trial: Any, ignore_keys_for_eval: list[str] | None, skip_scheduler: bool = False) -> dict:
         """An evaluation during training: evaluate(), then a metric-driven schedule steps on it."""
 
