@@ -54,7 +54,22 @@ def _one_thread():
     torch.set_num_threads(before)
 
 
+#: The long fault runs (marked `long`) run only when asked: tests/README.md lists them and the default test
+#: that covers the same path more cheaply.
+LONG = bool(os.environ.get("RAYTRAIN_LONG_TESTS") or os.environ.get("RAYTRAIN_MULTINODE_TESTS"))
+
+
 def pytest_collection_modifyitems(config, items):
+    if not LONG:
+        skip = pytest.mark.skip(reason="a long fault run (minutes), its path covered by a default test: "
+                                       "set RAYTRAIN_LONG_TESTS=1")
+        for item in items:
+            if item.get_closest_marker("long"):
+                item.add_marker(skip)
+    _ray_first(items)
+
+
+def _ray_first(items):
     """Ray tests first (a stable sort): under pytest-xdist the long ones start early and the quick
     in-process tests fill both workers at the end, instead of one Ray test running on alone."""
     def slow(item) -> bool:

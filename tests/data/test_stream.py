@@ -407,6 +407,9 @@ def _consumed(out_dir, rank: int) -> dict[int, list[int]]:
     return steps
 
 
+# Long (2-3 minutes): by default a SIGKILLed Ray worker resumes bit-exact in driver/test_launch.py and a stream
+# resumes exactly the rest of its epoch (another world size, another batch size) in the tests above.
+@pytest.mark.long
 @pytest.mark.timeout(600)
 def test_a_worker_sigkilled_mid_epoch_resumes_bit_exact_with_exact_passes(ray_cluster, tmp_path):
     """2 workers on a ray Dataset (90 ids, 2 x 4 per step: 12 steps per epoch, 30 steps): rank 1 is

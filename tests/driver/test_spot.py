@@ -22,8 +22,7 @@ from tests.driver.cluster import SimCluster
 # (about 105 s in the suite, the cluster's start included); the other runs take minutes more: opt-in.
 pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("spot"),
               pytest.mark.skipif(os.geteuid() != 0, reason="mount namespaces need root")]
-MORE = pytest.mark.skipif(not os.environ.get("RAYTRAIN_MULTINODE_TESTS"),
-                          reason="a longer simulated multi-node run (minutes): set RAYTRAIN_MULTINODE_TESTS=1")
+MORE = pytest.mark.long  # a longer simulated multi-node run (minutes): RAYTRAIN_LONG_TESTS=1
 
 
 @pytest.fixture(scope="module")

@@ -103,6 +103,9 @@ def test_a_missing_extra_is_one_line_naming_it(tmp_path):
     assert set(os.listdir(tmp_path)) <= {"raytrain.log"}  # no checkpoint, no final model: nothing started
 
 
+# Long (1-2 minutes): by default LoRA on 2 Ray workers (DDP, FSDP2, ZeRO-3) runs in test_peft_on_ray.py and the
+# CLI's 2-worker run in driver/test_quiet.py.
+@pytest.mark.long
 @pytest.mark.ray
 @pytest.mark.timeout(300)
 def test_the_example_on_two_ray_workers(ray_cluster, tmp_path):

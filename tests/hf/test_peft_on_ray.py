@@ -88,8 +88,7 @@ def test_a_full_model_saved_by_ddp_fsdp2_and_zero3_loads_with_from_pretrained(ba
 
 
 # The same restore path runs by default in-process (test_peft.py's SIGKILL) and for digits on Ray (test_launch.py).
-@pytest.mark.skipif(not os.environ.get("RAYTRAIN_MULTINODE_TESTS"),
-                    reason="a longer fault run (2 minutes): set RAYTRAIN_MULTINODE_TESTS=1")
+@pytest.mark.long
 @pytest.mark.timeout(400)
 def test_lora_script_on_two_ray_workers_resumes_a_killed_rank_bit_exact(backends, tmp_path):
     """Rank 1 is SIGKILLed after step 4: Ray restarts the group, which resumes from checkpoint-3's adapter and

@@ -26,6 +26,9 @@ def _driver(out, mode, env):
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
+# Long (2 minutes): by default a sweep restores by name (test_search.py's CLI resume) and from a URI without
+# its local directory (below), and a restore's suggestions equal an uninterrupted sweep's (below).
+@pytest.mark.long
 @pytest.mark.timeout(600)
 def test_sigkilled_driver_resumes_without_rerunning_finished_trials(ray_cluster, tmp_path):
     import optuna

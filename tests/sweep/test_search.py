@@ -262,6 +262,9 @@ def test_pbt_clones_a_checkpoint_with_the_mutated_learning_rate(ray_cluster, tmp
     assert before and all(v != pytest.approx(float(lr)) for v in before)  # the source trial's own rate
 
 
+# Long (3 minutes): by default the URI sweep's restore runs in test_restore.py, a killed worker's restart in
+# driver/test_launch.py and a rank's trial reporter in test_trial_register.py.
+@pytest.mark.long
 @pytest.mark.timeout(600)
 def test_a_two_worker_trial_at_a_uri_restores_elsewhere_and_restarts_a_killed_worker(ray_cluster, tmp_path, digits,
                                                                                      monkeypatch):
