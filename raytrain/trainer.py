@@ -257,7 +257,7 @@ class Trainer(HFOverridePoints, ExampleScriptMethods):
                 return hit[1]
             return RankLoader(hit[1].source, hit[1].dataset, args.dataloader_num_workers)
         input_name = (getattr(self.processing_class, "model_input_names", None) or ["input_ids"])[0]
-        prepared = prepare_dataset(dataset, self.model, args, name)
+        prepared = prepare_dataset(dataset, self.model, args, name, getattr(self, "_signature_columns", None))
         source = build_loader(prepared, batch_size, args,
                               seed=args.data_seed if args.data_seed is not None else args.seed,
                               drop_last=args.dataloader_drop_last, shuffle=shuffle,  # evaluation's too, as HF

@@ -23,6 +23,8 @@ class Accelerator:
     """What a script asks of `trainer.accelerator`: this process's place among the training processes
     (1 process in-process; the process group's on Ray workers) and a few collectives."""
 
+    parallelism_config = None  # no context / sequence / tensor parallelism here (TRL's trainers read it)
+
     def __init__(self, trainer: Any = None):
         self._trainer = trainer
 

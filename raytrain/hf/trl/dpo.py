@@ -1,0 +1,2 @@
+class DPOMethods:  # placeholder
+    pass

@@ -1,0 +1,106 @@
+"""raytrain.trl against trl 1.16 on the same script, data and order: configs field by field, the prepared dataset,
+the first collated batch, per-step losses and TRL's metrics; resume after SIGKILL; one-line errors."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from . import trl_jobs as jobs
+
+trl = pytest.importorskip("trl")
+
+
+def _close(a: list[dict], b: list[dict], tol: float = 1e-5) -> None:
+    assert len(a) == len(b) > 0
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys(), (x, y)
+        for k in x:
+            if k == "num_tokens":
+                assert x[k] == y[k], (k, x, y)
+            else:
+                assert x[k] == pytest.approx(y[k], abs=tol, rel=tol), (k, x, y)
+
+
+@pytest.mark.parametrize("name", ["SFTConfig", "DPOConfig"])
+def test_config_has_every_trl_field_with_its_default(name, tmp_path):
+    import raytrain.trl as rt
+
+    theirs, ours = getattr(trl, name), getattr(rt, name)
+    mine = {f.name: f for f in dataclasses.fields(ours)}
+    for f in dataclasses.fields(theirs):
+        assert f.name in mine, f"{name}.{f.name} is missing"
+        if f.name in ours.TRL_FIELDS or f.name in ("learning_rate", "logging_steps", "gradient_checkpointing", "bf16"):
+            want = f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+            got = mine[f.name].default if mine[f.name].default_factory is dataclasses.MISSING \
+                else mine[f.name].default_factory()
+            assert got == want, (f.name, got, want)
+    # the values after __post_init__ too (bf16 resolved, deprecated names renamed, "auto" padding)
+    a, b = theirs(str(tmp_path / "a"), use_cpu=True), ours(str(tmp_path / "b"), use_cpu=True)
+    for n in (*ours.TRL_FIELDS, "learning_rate", "logging_steps", "gradient_checkpointing", "bf16"):
+        assert getattr(a, n) == getattr(b, n), n
+
+
+def test_config_refuses_a_bad_choice_in_one_line(tmp_path):
+    import raytrain.trl as rt
+
+    with pytest.raises(ValueError, match=r"^packing_strategy: 'best' is not one of 'bfd', 'bfd_split', 'wrapped'$"):
+        rt.SFTConfig(str(tmp_path), packing_strategy="best")
+
+
+def _sft_pair(tmp_path, **kw):
+    return {lib: jobs.sft_trainer(lib, str(tmp_path / lib), **kw) for lib in ("trl", "rt")}
+
+
+def _same_prepared_and_first_batch(pair) -> None:
+    ours, theirs = pair["rt"], pair["trl"]
+    assert ours.train_dataset.column_names == theirs.train_dataset.column_names
+    assert ours.train_dataset.to_list() == theirs.train_dataset.to_list()
+    rows = [theirs.train_dataset[i] for i in range(4)]
+    a, b = theirs.data_collator(rows), ours.data_collator(rows)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k], k
+
+
+def test_sft_script_lora_assistant_only_bfd_packing_matches_trl(tmp_path):
+    pair = _sft_pair(tmp_path)
+    _same_prepared_and_first_batch(pair)
+    for t in pair.values():
+        t.train()
+    _close(jobs.steps(pair["rt"]), jobs.steps(pair["trl"]))
+    assert {"entropy", "mean_token_accuracy", "num_tokens"} <= set(pair["rt"].state.log_history[0])
+
+
+@pytest.mark.parametrize("case", ["text_wrapped_dft", "prompt_completion", "pretokenized_padding"])
+def test_sft_formats_match_trl(tmp_path, case):
+    from datasets import Dataset
+    from examples.sft import conversations
+
+    rows = conversations(40)
+    if case == "text_wrapped_dft":
+        data = Dataset.from_list([{"text": " ".join(m["content"] for m in r["messages"])} for r in rows])
+        kw = dict(packing_strategy="wrapped", loss_type="dft", max_length=48)
+    elif case == "prompt_completion":  # completion_only_loss by default, conversational prompt / completion
+        data = Dataset.from_list([{"prompt": r["messages"][:2], "completion": r["messages"][2:]} for r in rows])
+        kw = dict(packing=False)
+    else:
+        data = Dataset.from_list([{"input_ids": list(range(3, 3 + 5 + i % 7))} for i in range(40)])
+        kw = dict(packing=False, max_length=10)
+    pair = {lib: jobs.sft_trainer(lib, str(tmp_path / lib), data=data, peft=case != "text_wrapped_dft",
+                                  **{"assistant_only_loss": False, **kw}) for lib in ("trl", "rt")}
+    _same_prepared_and_first_batch(pair)
+    for t in pair.values():
+        t.train()
+    _close(jobs.steps(pair["rt"]), jobs.steps(pair["trl"]))
+
+
+def test_sft_bad_inputs_one_line(tmp_path):
+    from datasets import Dataset
+
+    with pytest.raises(ValueError, match="^assistant_only_loss: the dataset is not conversational"):
+        jobs.sft_trainer("rt", str(tmp_path), data=Dataset.from_list([{"text": "a b"}] * 4))
+    with pytest.raises(ValueError, match="^activation_offloading: not supported"):
+        jobs.sft_trainer("rt", str(tmp_path), activation_offloading=True)
