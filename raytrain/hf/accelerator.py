@@ -57,6 +57,13 @@ class Accelerator:
         """This process's device, as the TrainingArguments name it."""
         return self._trainer.args.device if self._trainer is not None else torch.device("cpu")
 
+    def autocast(self) -> Any:
+        """The run's mixed precision (args.bf16 / fp16) as a context, as accelerate's autocast()."""
+        args = getattr(self._trainer, "args", None)
+        dtype = torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) \
+            else None
+        return torch.autocast(self.device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
     def print(self, *args: Any, **kwargs: Any) -> None:
         """print() on the local main process only (as accelerate)."""
         if self.is_local_main_process:

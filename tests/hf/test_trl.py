@@ -104,3 +104,44 @@ def test_sft_bad_inputs_one_line(tmp_path):
         jobs.sft_trainer("rt", str(tmp_path), data=Dataset.from_list([{"text": "a b"}] * 4))
     with pytest.raises(ValueError, match="^activation_offloading: not supported"):
         jobs.sft_trainer("rt", str(tmp_path), activation_offloading=True)
+
+
+def _dpo_pair(tmp_path, **kw):
+    return {lib: jobs.dpo_trainer(lib, str(tmp_path / lib), **kw) for lib in ("trl", "rt")}
+
+
+def test_dpo_script_lora_conversational_matches_trl(tmp_path):
+    """Explicit conversational prompt; the reference is the base model (adapter disabled)."""
+    pair = _dpo_pair(tmp_path, max_steps=3)
+    _same_prepared_and_first_batch(pair)
+    for t in pair.values():
+        t.train()
+    _close(jobs.steps(pair["rt"], jobs.DPO_KEYS), jobs.steps(pair["trl"], jobs.DPO_KEYS))
+    assert {"rewards/chosen", "rewards/margins", "logps/rejected"} <= set(pair["rt"].state.log_history[0])
+
+
+@pytest.mark.parametrize("case", ["ref_model_implicit_prompt_ipo", "precompute_sigmoid_plus_sft"])
+def test_dpo_reference_models_and_losses_match_trl(tmp_path, case):
+    from datasets import Dataset
+    from examples.sft import preferences
+
+    rows = preferences(32)
+    if case == "ref_model_implicit_prompt_ipo":  # a separate ref_model, full fine-tuning, the prompt inside each turn list
+        data = Dataset.from_list([{"chosen": r["prompt"] + r["chosen"], "rejected": r["prompt"] + r["rejected"]}
+                                  for r in rows])
+        kw = dict(data=data, peft=False, ref=True, loss_type="ipo", beta=0.5)
+    else:
+        data = Dataset.from_list(preferences(32, conversational=False))
+        kw = dict(data=data, precompute_ref_log_probs=True, loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.5])
+    pair = _dpo_pair(tmp_path, max_steps=3, learning_rate=1e-3, **kw)
+    _same_prepared_and_first_batch(pair)
+    for t in pair.values():
+        t.train()
+    _close(jobs.steps(pair["rt"], jobs.DPO_KEYS), jobs.steps(pair["trl"], jobs.DPO_KEYS))
+
+
+def test_dpo_bad_inputs_one_line(tmp_path):
+    with pytest.raises(ValueError, match="^sync_ref_model: not supported"):
+        jobs.dpo_trainer("rt", str(tmp_path), sync_ref_model=True)
+    with pytest.raises(ValueError, match="^ref_model: give one"):
+        jobs.dpo_trainer("rt", str(tmp_path), peft=False)
