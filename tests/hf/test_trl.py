@@ -145,3 +145,61 @@ def test_dpo_bad_inputs_one_line(tmp_path):
         jobs.dpo_trainer("rt", str(tmp_path), sync_ref_model=True)
     with pytest.raises(ValueError, match="^ref_model: give one"):
         jobs.dpo_trainer("rt", str(tmp_path), peft=False)
+
+
+KILLED = dict(max_steps=6, save_strategy="steps", save_steps=2)
+
+
+def _killed_main(kind: str, out: str, threads: int) -> None:
+    """The process the SIGKILL test kills (a fresh interpreter), on the test's thread count."""
+    torch.set_num_threads(threads)
+    make = jobs.sft_trainer if kind == "sft" else jobs.dpo_trainer
+    make("rt", out, **KILLED).train()
+
+
+def _adapter(model) -> dict:
+    from peft import get_peft_model_state_dict
+
+    return {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+
+
+@pytest.mark.parametrize("kind", ["sft", "dpo"])
+def test_sigkill_during_a_save_then_resume_is_bit_exact_and_the_output_loads(tmp_path, kind):
+    """Killed while checkpoint-4 is written: the run resumes from checkpoint-2 and ends with the uninterrupted
+    run's adapter, losses and TRL metrics (num_tokens too); final/ loads with PeftModel.from_pretrained."""
+    import os
+    import subprocess
+    import sys
+
+    from peft import PeftModel
+    from transformers import AutoTokenizer
+
+    from examples.sft import build_model
+    from raytrain import get_last_checkpoint
+    from raytrain.checkpoint import io as checkpoint_io
+    from tests.tiny import kill_when_paused
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out, flag = tmp_path / "run", tmp_path / "paused"
+    env = {**os.environ, checkpoint_io.PAUSE_ENV: f"{flag}@4", "PYTHONPATH": root}
+    code = f"from tests.hf.test_trl import _killed_main; _killed_main({kind!r}, {str(out)!r}, {torch.get_num_threads()})"
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=root, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    kill_when_paused(proc, flag, "the save of step 4", seconds=240)
+    assert get_last_checkpoint(str(out)) == str(out / "checkpoint-2")
+    make = jobs.sft_trainer if kind == "sft" else jobs.dpo_trainer
+    keys = jobs.STEP_KEYS if kind == "sft" else jobs.DPO_KEYS
+    reference = make("rt", str(tmp_path / "ref"), **{**KILLED, "save_strategy": "no"})
+    reference.train()
+    resumed = make("rt", str(out), **KILLED)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 6
+    assert jobs.steps(resumed, keys) == jobs.steps(reference, keys)  # exactly: every step, num_tokens included
+    want, got = _adapter(reference.model), _adapter(resumed.model)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    checkpoint = out / "checkpoint-6"
+    assert {"adapter_model.safetensors", "adapter_config.json"} <= set(os.listdir(checkpoint))
+    resumed.save_model(str(tmp_path / "final"))
+    loaded = PeftModel.from_pretrained(build_model(), str(tmp_path / "final"))
+    assert all(torch.equal(v, _adapter(loaded)[k]) for k, v in got.items())
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "final")).chat_template == resumed.processing_class.chat_template
