@@ -63,3 +63,22 @@ def dpo_trainer(lib: str, out: str, data=None, peft: bool = True, ref: bool = Fa
 def steps(trainer, keys=STEP_KEYS) -> list[dict]:
     return [{k: e[k] for k in keys if k in e} | {"step": e["step"]} for e in trainer.state.log_history
             if "loss" in e]
+
+
+class RankMarker:
+    """A callback writing `rank-R-of-W` into `folder` when training starts: which processes trained."""
+
+    def __new__(cls, folder: str):
+        import os
+
+        from raytrain import TrainerCallback
+
+        class _Marker(TrainerCallback):
+            def on_train_begin(self, args, state, control, **kwargs):
+                import torch.distributed as dist
+
+                rank, world = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+                os.makedirs(folder, exist_ok=True)
+                open(os.path.join(folder, f"rank-{rank}-of-{world}"), "w").close()
+
+        return _Marker()
