@@ -29,6 +29,16 @@ def build_model(hidden_size: int = 32, num_layers: int = 2, intermediate_size: i
                             intermediate_size=intermediate_size, max_len=256, seed=seed)
 
 
+def build_lora_model(r: int = 8, alpha: int = 16, dropout: float = 0.0,
+                     target_modules: tuple[str, ...] = ("q_proj", "v_proj"), **base):
+    """build_model with a LoRA adapter: what `peft_config=LoraConfig(...)` gives a script (the CLI passes a model)."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=int(r), lora_alpha=alpha, lora_dropout=dropout, target_modules=list(target_modules),
+                        task_type="CAUSAL_LM")
+    return get_peft_model(build_model(**base), config)
+
+
 def _question(rng: random.Random) -> tuple[str, str, str]:
     a, b = rng.randrange(10), rng.randrange(10)
     return f"What is {a} plus {b}?", f"{a + b}.", f"{a + b + rng.choice([-2, -1, 1, 2])}."

@@ -57,3 +57,22 @@ class DPOTrainer(DPOMethods, Trainer):
 
 def __getattr__(name: str) -> Any:
     raise AttributeError(f"raytrain.trl has no {name!r}; it exports {', '.join(__all__)} (GRPO is not supported)")
+
+
+def config_from_yaml(path: str, overrides: list[str]) -> TrainingArguments | None:
+    """The CLI's TRL config: DPOConfig when the YAML (or --set) names a DPO-only field, SFTConfig when an SFT-only
+    one, else None."""
+    import yaml
+
+    with open(path) as f:
+        d = yaml.safe_load(f) or {}
+    keys = set(d) | {o.partition("=")[0].split(".")[0].strip() for o in overrides}
+    for cls, other in ((DPOConfig, SFTConfig), (SFTConfig, DPOConfig)):
+        if keys & (set(cls.TRL_FIELDS) - set(other.TRL_FIELDS)):
+            return cls.from_yaml(path, overrides)
+    return None
+
+
+def trainer_for(args: Any) -> type | None:
+    """The CLI's trainer for a TRL config (None for other arguments)."""
+    return {SFTConfig: SFTTrainer, DPOConfig: DPOTrainer}.get(type(args))

@@ -203,3 +203,29 @@ def test_sigkill_during_a_save_then_resume_is_bit_exact_and_the_output_loads(tmp
     loaded = PeftModel.from_pretrained(build_model(), str(tmp_path / "final"))
     assert all(torch.equal(v, _adapter(loaded)[k]) for k, v in got.items())
     assert AutoTokenizer.from_pretrained(str(tmp_path / "final")).chat_template == resumed.processing_class.chat_template
+
+
+@pytest.mark.parametrize("config", ["sft", "dpo"])
+def test_the_cli_examples_run_and_their_adapter_loads(tmp_path, config):
+    """`python -m raytrain.run --config examples/{sft,dpo}.yaml` (shortened): TRL's fields pick the TRL trainer."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from peft import PeftModel
+
+    from examples.sft import build_model
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out = tmp_path / "run"
+    argv = ["--config", f"examples/{config}.yaml", "--set", f"output_dir={out}", "--set", "max_steps=4",
+            "--set", "eval_steps=2", "--set", "save_steps=2", "--set", "logging_steps=2", "--set", "data.n_train=48"]
+    done = subprocess.run([sys.executable, "-m", "raytrain.run", *argv], cwd=root, capture_output=True, text=True,
+                          timeout=240, env={**os.environ, "PYTHONPATH": root})
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.split("summary: ")[-1].splitlines()[0])
+    assert summary["global_step"] == 4
+    assert ("eval_mean_token_accuracy" if config == "sft" else "eval_rewards/margins") in summary
+    PeftModel.from_pretrained(build_model(), str(out / "final"))
+    assert os.path.exists(out / "plots" / ("loss.png"))
