@@ -69,8 +69,9 @@ def write_report(directory: str, out: str | None = None) -> list[str]:
             raise ReportError(f"{state}: log_history has no loss, learning_rate, grad_norm or eval metric yet")
         os.makedirs(out, exist_ok=True)
         best = saved.get("best_global_step")
-        written = [plots.figure({k: v}, k, os.path.join(out, f"{k}.png"), best_step=best if k.startswith("eval_")
-                                else None) for k, v in curves.items()]
+        # TRL's metric names hold '/' (rewards/chosen): one file each all the same
+        written = [plots.figure({k: v}, k, os.path.join(out, k.replace("/", "_") + ".png"),
+                                best_step=best if k.startswith("eval_") else None) for k, v in curves.items()]
         written.append(plots.overview(curves, os.path.join(out, "overview.png"), os.path.basename(
             os.path.abspath(directory)), best_step=best))
         return written

@@ -330,19 +330,39 @@ def _training_arguments(config: str, overrides: list[str]) -> TrainingArguments:
         return arguments_from_yaml(config, overrides)  # Seq2SeqTrainingArguments if it names their fields
     except ConfigError as e:
         name = str(e).split("'")[1] if str(e).startswith("unknown field '") else None
+        trl_args = _trl_arguments(config, overrides) if name is not None else None
+        if trl_args is not None:
+            return trl_args
         if name in SPEC_KEYS:
             raise ConfigError(f"{name} is a search setting, not a training field: put it in the --search YAML "
                               f"or write --set search.{name}=VALUE") from None
         raise
 
 
+def _trl_arguments(config: str, overrides: list[str]) -> TrainingArguments | None:
+    """SFTConfig / DPOConfig when the config names one of TRL's fields and trl is installed (raytrain.trl)."""
+    try:
+        from .trl import config_from_yaml
+    except ImportError:
+        return None
+    return config_from_yaml(config, overrides)
+
+
+def _trainer_for(args: TrainingArguments):
+    from .trainer import trainer_class
+
+    if type(args).__module__ == "raytrain.trl":
+        from .trl import trainer_for
+        return trainer_for(args)
+    return trainer_class(args)
+
+
 def _train(ns, session: _Session, args: TrainingArguments, job: dict, resume, stop) -> int:
     from .driver.signals import ray_train_signals
     from .worker.signals import StopOnSignal
-    from .trainer import trainer_class
 
     session.open_log(args.output_dir)
-    trainer = trainer_class(args)(args=args, **job)
+    trainer = _trainer_for(args)(args=args, **job)
     run = _TrackedRun.open(trainer, resume)
     trainer.add_callback(StopOnSignal(stop))
     resumed_at = _resumed_step(args.output_dir, resume)  # before this run writes checkpoints of its own

@@ -257,12 +257,13 @@ class Trainer(HFOverridePoints, ExampleScriptMethods):
                 return hit[1]
             return RankLoader(hit[1].source, hit[1].dataset, args.dataloader_num_workers)
         input_name = (getattr(self.processing_class, "model_input_names", None) or ["input_ids"])[0]
-        prepared = prepare_dataset(dataset, self.model, args, name)
+        own = getattr(self, "_signature_columns", None)  # HF's: a trainer that names its columns builds its inputs
+        prepared = prepare_dataset(dataset, self.model, args, name, own)
         source = build_loader(prepared, batch_size, args,
                               seed=args.data_seed if args.data_seed is not None else args.seed,
                               drop_last=args.dataloader_drop_last, shuffle=shuffle,  # evaluation's too, as HF
                               rank=strategy.rank, world_size=strategy.world_size, collate_fn=self.data_collator,
-                              columns=model_inputs(self.model, training=training), name=name,
+                              columns=None if own else model_inputs(self.model, training=training), name=name,
                               input_name=input_name)
         loader = RankLoader(source, prepared, args.dataloader_num_workers, args.dataloader_persistent_workers)
         cache[key] = (dataset, loader)  # holds the dataset, so its id is not reused while cached

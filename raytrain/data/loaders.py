@@ -68,15 +68,16 @@ def grouped_by_length(args: Any) -> bool:
         bool(getattr(args, "group_by_length", False))
 
 
-def prepare_dataset(data: Any, model: Any, args: Any, name: str) -> Any:
+def prepare_dataset(data: Any, model: Any, args: Any, name: str, signature: list[str] | None = None) -> Any:
     """A datasets.Dataset (or streaming IterableDataset) as HF's Trainer prepares it: unused columns
-    dropped (remove_unused_columns), `label` / `label_ids` renamed to `labels`. Other inputs are
-    returned unchanged."""
+    dropped (remove_unused_columns; `signature`: the Trainer's own _signature_columns, as HF's), `label` /
+    `label_ids` renamed to `labels`. Other inputs are returned unchanged."""
     if not (hf.is_datasets_object(data) and hasattr(data, "remove_columns")):
         return data
     columns = list(getattr(data, "column_names", None) or [])  # None for a stream without features
     if args.remove_unused_columns and columns:
-        keep = hf.signature_columns(model, args.label_keys)
+        keep = (list(signature) + list(hf.LABEL_ALIASES) + args.label_keys if signature
+                else hf.signature_columns(model, args.label_keys))
         unused = [c for c in columns if c not in keep]
         if len(unused) == len(columns):
             raise DataError(f"{name} ({type(data).__name__}): none of its columns {columns} is an argument of "

@@ -23,6 +23,8 @@ class Accelerator:
     """What a script asks of `trainer.accelerator`: this process's place among the training processes
     (1 process in-process; the process group's on Ray workers) and a few collectives."""
 
+    parallelism_config = None  # no context / sequence / tensor parallelism here (TRL's trainers read it)
+
     def __init__(self, trainer: Any = None):
         self._trainer = trainer
 
@@ -54,6 +56,13 @@ class Accelerator:
     def device(self) -> torch.device:
         """This process's device, as the TrainingArguments name it."""
         return self._trainer.args.device if self._trainer is not None else torch.device("cpu")
+
+    def autocast(self) -> Any:
+        """The run's mixed precision (args.bf16 / fp16) as a context, as accelerate's autocast()."""
+        args = getattr(self._trainer, "args", None)
+        dtype = torch.bfloat16 if getattr(args, "bf16", False) else torch.float16 if getattr(args, "fp16", False) \
+            else None
+        return torch.autocast(self.device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """print() on the local main process only (as accelerate)."""

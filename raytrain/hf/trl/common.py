@@ -1,0 +1,101 @@
+"""What TRL's SFT and DPO trainers share on raytrain: the args conversion, PEFT set-up, refusals of what does not
+run here, and TRL's metric logging (its `_metrics` averaged into each log, kept across a resume)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import TrainerCallback
+
+from ...callbacks.base import ExportableState
+
+_STATE = "TRLMetricsState"
+
+
+def as_config(config_class: type, args: Any, model: Any, suffix: str) -> Any:
+    """TRL's rule: no args -> `<model name>-SFT`; a plain TrainingArguments -> the config with its values."""
+    if args is None:
+        name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
+        return config_class(output_dir=f"{str(name).rstrip('/').split('/')[-1]}-{suffix}")
+    if isinstance(args, config_class):
+        return args
+    if type(args).__module__.startswith("trl"):
+        raise TypeError(f"args: {type(args).__name__} is trl's; use raytrain.trl's {config_class.__name__}")
+    return config_class.from_dict(args.to_dict())
+
+
+def check_unsupported(args: Any) -> None:
+    """One line for each TRL field whose feature raytrain does not run."""
+    if args.activation_offloading:
+        raise ValueError("activation_offloading: not supported by raytrain.trl (TRL's offloading needs CUDA "
+                         "streams); use gradient_checkpointing")
+    if (args.gradient_checkpointing_kwargs or {}).get("selective"):
+        raise ValueError("gradient_checkpointing_kwargs.selective: TRL's selective checkpointing is not supported "
+                         "by raytrain.trl")
+    if args.model_init_kwargs is not None and "device_map" in args.model_init_kwargs:
+        raise ValueError("model_init_kwargs.device_map: not supported; raytrain places the model on each worker")
+
+
+def setup_peft(model: Any, peft_config: Any, args: Any, added_tokens: list[int]) -> Any:
+    """TRL's PEFT set-up: get_peft_model with peft_config (new chat tokens trainable), input grads when checkpointing."""
+    if peft_config is not None:
+        try:
+            from peft import PeftConfig, get_peft_model
+        except ImportError:
+            raise ImportError("peft_config: the peft package is missing: pip install 'raytrain[trl]'") from None
+        if not isinstance(peft_config, PeftConfig):
+            raise TypeError(f"peft_config: expected a peft.PeftConfig (e.g. LoraConfig), got "
+                            f"{type(peft_config).__name__}")
+        if hasattr(model, "peft_config"):
+            raise ValueError("peft_config: the model is already a PeftModel; pass its merged base model instead")
+        if added_tokens:
+            indices = peft_config.trainable_token_indices or {}
+            indices.setdefault("embed_tokens", []).extend(added_tokens)
+            peft_config.trainable_token_indices = indices
+            if "lm_head" not in (peft_config.modules_to_save or []):
+                peft_config.modules_to_save = [*(peft_config.modules_to_save or []), "lm_head"]
+        model = get_peft_model(model, peft_config)
+    if hasattr(model, "peft_config") and args.gradient_checkpointing:
+        model.enable_input_require_grads()  # as TRL: transformers' Trainer misses it (transformers#42489)
+    return model
+
+
+class TRLMetricsState(TrainerCallback, ExportableState):
+    """Carries the trainer's TRL counters (num_tokens) in trainer_state.json, so a resumed run logs them on."""
+
+    def __init__(self, trainer: Any = None):
+        self.trainer = trainer
+
+    def state(self) -> dict:
+        return {"args": {}, "attributes": {"total_train_tokens": int(self.trainer._total_train_tokens)}}
+
+
+class TRLMethods:
+    """TRL's `log` (its metrics averaged, eval_-prefixed in evaluation) and the tensor-parallel size (1 here)."""
+
+    def __init__(self, *args: Any, callbacks: list | None = None, **kwargs: Any):
+        super().__init__(*args, callbacks=[*(callbacks or []), TRLMetricsState(self)], **kwargs)
+
+    def get_tp_size(self) -> int:
+        return 1
+
+    @property
+    def current_gradient_accumulation_steps(self) -> int:
+        return self.args.gradient_accumulation_steps
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        mode = "train" if self.model.training else "eval"
+        metrics = {key: sum(val) / len(val) for key, val in self._metrics[mode].items() if val}
+        if mode == "eval":
+            metrics = {f"eval_{key}": val for key, val in metrics.items()}
+        logs.update(metrics)
+        super().log(logs, start_time)
+        self._metrics[mode].clear()
+
+    def _load_callback_state(self) -> None:
+        super()._load_callback_state()
+        saved = self.state.stateful_callbacks.get(_STATE) or {}
+        self._total_train_tokens = int(saved.get("attributes", {}).get("total_train_tokens", 0))
+        for cb in self.callback_handler.callbacks:
+            if isinstance(cb, TRLMetricsState):
+                cb.trainer = self

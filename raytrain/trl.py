@@ -1,0 +1,78 @@
+"""TRL's SFTTrainer / SFTConfig and DPOTrainer / DPOConfig on raytrain's Trainer: a TRL 1.16 script runs with
+`from trl import ...` changed to `from raytrain.trl import ...` (needs the trl extra)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from .config.args import TrainingArguments
+from .hf.trl import config as _trl
+from .hf.trl.dpo import DPOMethods
+from .hf.trl.sft import SFTMethods
+from .trainer import Trainer
+
+__all__ = ["DPOConfig", "DPOTrainer", "SFTConfig", "SFTTrainer"]
+
+_BASE = {f.name for f in dataclasses.fields(TrainingArguments)}
+
+
+def _post_init(kind: str, own: tuple[str, ...]):
+    normalize = {"sft": _trl.normalize_sft, "dpo": _trl.normalize_dpo}[kind]
+
+    def __post_init__(self) -> None:
+        if self.bf16 is None:  # TRL's default: bf16 unless fp16 (autocast on the CPU too)
+            object.__setattr__(self, "bf16", not self.fp16)
+        _trl.check_choices(self, own)
+        normalize(self)
+        TrainingArguments.__post_init__(self)
+    return __post_init__
+
+
+def _config(name: str, kind: str) -> type:
+    own = _trl.trl_field_names(kind, _BASE)
+    cls = dataclasses.make_dataclass(name, _trl.trl_fields(kind, _BASE), bases=(TrainingArguments,),
+                                     namespace={"__post_init__": _post_init(kind, own), "TRL_FIELDS": own,
+                                                "__doc__": f"TRL {_trl.TRL_VERSION}'s {name} on raytrain's "
+                                                           "TrainingArguments: TRL's fields, defaults and help."})
+    cls.__module__ = __name__
+    return cls
+
+
+SFTConfig = _config("SFTConfig", "sft")
+DPOConfig = _config("DPOConfig", "dpo")
+
+
+class SFTTrainer(SFTMethods, Trainer):
+    """TRL's SFTTrainer (same arguments, dataset preparation, collator, loss and metrics) on raytrain's loop."""
+
+    config_class = SFTConfig
+
+
+class DPOTrainer(DPOMethods, Trainer):
+    """TRL's DPOTrainer (same arguments, dataset preparation, losses and metrics) on raytrain's loop."""
+
+    config_class = DPOConfig
+
+
+def __getattr__(name: str) -> Any:
+    raise AttributeError(f"raytrain.trl has no {name!r}; it exports {', '.join(__all__)} (GRPO is not supported)")
+
+
+def config_from_yaml(path: str, overrides: list[str]) -> TrainingArguments | None:
+    """The CLI's TRL config: DPOConfig when the YAML (or --set) names a DPO-only field, SFTConfig when an SFT-only
+    one, else None."""
+    import yaml
+
+    with open(path) as f:
+        d = yaml.safe_load(f) or {}
+    keys = set(d) | {o.partition("=")[0].split(".")[0].strip() for o in overrides}
+    for cls, other in ((DPOConfig, SFTConfig), (SFTConfig, DPOConfig)):
+        if keys & (set(cls.TRL_FIELDS) - set(other.TRL_FIELDS)):
+            return cls.from_yaml(path, overrides)
+    return None
+
+
+def trainer_for(args: Any) -> type | None:
+    """The CLI's trainer for a TRL config (None for other arguments)."""
+    return {SFTConfig: SFTTrainer, DPOConfig: DPOTrainer}.get(type(args))

@@ -1,0 +1,35 @@
+"""raytrain.trl's SFT and DPO scripts on 2 Ray Train workers (DDP), only scaling added: each rank prepares the same
+data on its own (no rank-0 barrier), TRL's metrics are reduced over the ranks, and the per-step losses and metrics
+are trl 1.16's in one process on the same global batches."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.hf import trl_jobs as jobs  # by this name on the Ray workers too
+
+pytest.importorskip("trl")
+pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("trl_on_ray")]
+
+
+def _close(a, b, tol=1e-5):
+    assert len(a) == len(b) > 0
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys(), (x, y)
+        for k in x:
+            assert x[k] == pytest.approx(y[k], abs=tol, rel=tol), (k, x, y)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("kind", ["sft", "dpo"])
+def test_trl_script_on_two_workers_matches_trl_in_one_process(ray_cluster, tmp_path, kind):
+    make, keys = (jobs.sft_trainer, jobs.STEP_KEYS) if kind == "sft" else (jobs.dpo_trainer, jobs.DPO_KEYS)
+    theirs = make("trl", str(tmp_path / "trl"), max_steps=3)
+    theirs.train()
+    ours = make("rt", str(tmp_path / "rt"), max_steps=3, per_device_train_batch_size=2,
+                scaling={"num_workers": 2}, callbacks=[jobs.RankMarker(str(tmp_path / "ranks"))])
+    ours.train()
+    assert sorted(os.listdir(tmp_path / "ranks")) == ["rank-0-of-2", "rank-1-of-2"]
+    _close(jobs.steps(ours, keys), jobs.steps(theirs, keys))
