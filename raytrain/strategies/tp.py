@@ -80,9 +80,12 @@ def check_divisible(model: torch.nn.Module, modules: dict[str, str], tp: int) ->
             raise ValueError(f"parallelism_config.tp_size: {tp} must divide the model's {attr} ({n})")
     for name, style in modules.items():
         module = model.get_submodule(name)
-        weight = getattr(module, "weight", None)
-        if weight is None or style in ("replicate", "sequence_parallel"):
+        if style in ("replicate", "sequence_parallel"):
             continue
+        if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):  # e.g. a PEFT LoRA layer
+            raise ValueError(f"tp_plan: {name} is a {type(module).__name__}, not a Linear or Embedding; tensor "
+                             "parallelism splits plain layers only (LoRA with tp_size > 1 is not supported)")
+        weight = module.weight
         dim = 0 if style.startswith("colwise") or isinstance(module, torch.nn.Embedding) else 1
         if weight.shape[dim] % tp:
             raise ValueError(f"parallelism_config.tp_size: {tp} must divide {name}'s {style} dim "

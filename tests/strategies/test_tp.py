@@ -170,6 +170,9 @@ def test_auto_picks_fsdp_and_a_parallelism_config_object_is_read_by_attribute(tm
                              parallelism_config=ParallelismConfig())
     assert args.parallelism_config == {"dp_replicate_size": 1, "dp_shard_size": 2, "tp_size": 2, "cp_size": 1}
     assert args.distributed.strategy == "fsdp"
+    (tmp_path / "run.yaml").write_text(f"output_dir: {tmp_path}\nmax_steps: 1\nscaling: {{num_workers: 4}}\n")
+    args = TrainingArguments.from_yaml(tmp_path / "run.yaml", ["parallelism_config.tp_size=2"])
+    assert args.parallelism_config["tp_size"] == 2 and args.distributed.strategy == "fsdp"
 
 
 def test_tp_plan_errors_name_the_option():
