@@ -206,7 +206,7 @@ class TrainingArguments(HFArgumentMethods):
     parallelism_config: Any = _f(
         None, "the device mesh, as HF/accelerate: {dp_replicate_size, dp_shard_size (-1: the rest), tp_size}, "
         "their product the world size (scaling.num_workers); tp_size > 1: tensor parallelism with FSDP2")
-    tp_plan: str | dict[str, str] = _f(
+    tp_plan: dict[str, str] | str | None = _f(
         "auto", "tensor-parallel plan: auto (the model's base_model_tp_plan / _tp_plan) or module name patterns "
         "to colwise, rowwise, colwise_gather_output, embedding_rowwise, sequence_parallel, replicate")
     dataloader_in_order: bool = _f(True, "batches always come in order (deterministic); false is not supported")
