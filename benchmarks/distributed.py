@@ -11,6 +11,9 @@
             own disks, needs root): rank 1's node is lost after step 12 of the digits job and a new
             node joins; prints the seconds from the loss to the first step the restarted group ends,
             against the seconds from the driver's start to the first step of a fresh run.
+  layouts:  4 gloo processes (no Ray), a Llama from a config (--hidden): dp4 (FSDP2), 2x2 (FSDP2 x TP)
+            and tp4 at the same global batch: median step time (rank 0) and, per rank, the bytes of its
+            parameters, gradients and AdamW state (local shards) and its peak RSS.
 Timings never decide a test; on a shared machine, rerun for stable figures.
 """
 
@@ -75,6 +78,79 @@ def bench_saves(tmp: str, mb: int, steps: int, rounds: int, strategies: list[str
     return out
 
 
+# ---------------------------------------------------------------- layouts
+
+LAYOUTS = {"dp4": {"dp_shard_size": 4}, "2x2": {"dp_shard_size": 2, "tp_size": 2}, "tp4": {"tp_size": 4}}
+
+
+def _layouts_rank(rank: int, port: int, hidden: int, steps: int, result: str) -> None:
+    import resource
+
+    import numpy as np
+    import torch.distributed as dist
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from raytrain import Trainer, TrainerCallback, TrainingArguments
+    from raytrain.worker import loop
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="4", LOCAL_WORLD_SIZE="4")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
+
+    class Marks(TrainerCallback):
+        def __init__(self):
+            self.times, self.state_bytes = [], 0
+
+        def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
+            self.times.append(time.perf_counter())
+            if state.global_step == 1:  # the optimizer state exists from the first step
+                local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+                tensors = [local(p) for p in model.parameters()] + [local(p.grad) for p in model.parameters()
+                                                                     if p.grad is not None]
+                tensors += [local(v) for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+                self.state_bytes = sum(t.numel() * t.element_size() for t in tensors)
+
+    ids = np.random.default_rng(0).integers(0, 2048, (8 * steps, 128))
+    out = {}
+    for name, layout in LAYOUTS.items():
+        dp = 4 // layout.get("tp_size", 1)
+        args = TrainingArguments(output_dir=tempfile.mkdtemp(prefix="rtlayout"), max_steps=steps,
+                                 per_device_train_batch_size=8 // dp, learning_rate=1e-4, logging_steps=10**6,
+                                 save_strategy="no", disable_tqdm=True, report_to="none",
+                                 scaling={"num_workers": 4}, parallelism_config=layout,
+                                 distributed={"strategy": "fsdp"})
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=4,
+                                             num_attention_heads=8, num_key_value_heads=8, vocab_size=2048))
+        marks = Marks()
+        loop.train(Trainer(model, args, train_dataset={"input_ids": ids, "labels": ids}, callbacks=[marks]), None)
+        step = statistics.median([b - a for a, b in zip(marks.times[1:], marks.times[2:])])
+        out[name] = {"step_s": step, "state_mb": marks.state_bytes / 2**20,
+                     "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    all_ranks = [None] * 4
+    dist.all_gather_object(all_ranks, out)
+    dist.destroy_process_group()
+    if rank == 0:
+        with open(result, "w") as f:
+            json.dump(all_ranks, f)
+
+
+def bench_layouts(hidden: int, steps: int) -> dict:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = os.path.join(tempfile.mkdtemp(prefix="rtlayouts"), "r.json")
+    mp.spawn(_layouts_rank, args=(port, hidden, steps, result), nprocs=4, join=True)
+    with open(result) as f:
+        ranks = json.load(f)
+    return {name: {"step_s": ranks[0][name]["step_s"], "state_mb": max(r[name]["state_mb"] for r in ranks),
+                   "max_rss_mb": max(r[name]["max_rss_mb"] for r in ranks)} for name in LAYOUTS}
+
+
 # ---------------------------------------------------------------- recovery
 
 
@@ -121,7 +197,8 @@ def main() -> None:
     p.add_argument("--mb", type=int, default=32)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--parts", default="saves,recovery")
+    p.add_argument("--parts", default="saves,recovery", help="of saves, recovery, layouts")
+    p.add_argument("--hidden", type=int, default=256, help="for layouts: the Llama's hidden size")
     p.add_argument("--strategies", default="ddp,fsdp,deepspeed", help="for saves (deepspeed: ZeRO-2)")
     a = p.parse_args()
     parts = set(a.parts.split(","))
@@ -144,6 +221,12 @@ def main() -> None:
                       f"step {m[mode]['median'] * 1e3:.1f} vs {m['none']['median'] * 1e3:.1f} ms "
                       f"({m[mode]['median'] / m['none']['median']:.2f}x), mean {m[mode]['mean'] * 1e3:.1f} vs "
                       f"{m['none']['mean'] * 1e3:.1f} ms ({m[mode]['mean'] / m['none']['mean']:.2f}x)")
+    if "layouts" in parts:
+        r = bench_layouts(a.hidden, a.steps)
+        for name, m in r.items():
+            print(f"layouts {name}: median step {m['step_s'] * 1e3:.0f} ms ({m['step_s'] / r['dp4']['step_s']:.2f}x dp4), "
+                  f"params+grads+AdamW per rank {m['state_mb']:.1f} MiB ({m['state_mb'] / r['dp4']['state_mb']:.2f}x "
+                  f"dp4), peak RSS per rank {m['max_rss_mb']:.0f} MiB (cumulative over the layouts run before)")
     if "recovery" in parts:
         r = bench_recovery()
         print(f"recovery: rank 1's node lost after step 12, resumed at step {r['resumed_at_step']}: "

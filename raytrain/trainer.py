@@ -250,7 +250,7 @@ class Trainer(HFOverridePoints, ExampleScriptMethods):
         from .data.loaders import RankLoader, build_loader, prepare_dataset
         args, strategy = self.args, self.get_strategy()
         cache = self.__dict__.setdefault("_data_sources", {})
-        key = (id(dataset), batch_size, training, strategy.rank, strategy.world_size)
+        key = (id(dataset), batch_size, training, strategy.dp_rank, strategy.dp_size)
         hit = cache.get(key)
         if hit is not None and hit[0] is dataset and not training:
             if args.dataloader_persistent_workers and args.dataloader_num_workers:
@@ -262,7 +262,7 @@ class Trainer(HFOverridePoints, ExampleScriptMethods):
         source = build_loader(prepared, batch_size, args,
                               seed=args.data_seed if args.data_seed is not None else args.seed,
                               drop_last=args.dataloader_drop_last, shuffle=shuffle,  # evaluation's too, as HF
-                              rank=strategy.rank, world_size=strategy.world_size, collate_fn=self.data_collator,
+                              rank=strategy.dp_rank, world_size=strategy.dp_size, collate_fn=self.data_collator,
                               columns=None if own else model_inputs(self.model, training=training), name=name,
                               input_name=input_name)
         loader = RankLoader(source, prepared, args.dataloader_num_workers, args.dataloader_persistent_workers)
@@ -350,7 +350,7 @@ class Trainer(HFOverridePoints, ExampleScriptMethods):
             optimizer.train()
         with strategy.autocast():
             loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
-        scale = strategy.world_size if strategy.averages_gradients else 1
+        scale = strategy.dp_size if strategy.averages_gradients else 1
         if hasattr(optimizer, "fused_backward"):  # LOMO updates the weights in its backward, at the current rate
             optimizer.fused_backward(loss * scale if scale != 1 else loss, get_lr(optimizer))
         else:

@@ -214,11 +214,13 @@ class CheckpointWriter:
     def __init__(self, output_dir: str, *, rank: int = 0, world_size: int = 1, strategy: str = "single",
                  barrier: Callable[[], None] = lambda: None, save_async: bool = False,
                  max_shard_bytes: int | None = None, async_policy: str = "wait",
-                 all_gather: Callable[[Any], list] | None = None, side_channel: Any = None):
+                 all_gather: Callable[[Any], list] | None = None, side_channel: Any = None,
+                 layout: dict | None = None):
         if async_policy not in ASYNC_POLICIES:
             raise ValueError(f"save_async_policy: {async_policy!r} is not one of {', '.join(map(repr, ASYNC_POLICIES))}")
         self.output_dir = output_dir
         self.rank, self.world_size, self.strategy = rank, world_size, strategy
+        self.layout = layout  # the device mesh's sizes (parallelism_config), recorded in the manifest
         self.barrier, self.all_gather = barrier, all_gather
         self._leaders: list[int] | None = None
         self.max_shard_bytes, self.async_policy = max_shard_bytes, async_policy
@@ -354,6 +356,8 @@ class CheckpointWriter:
         """Write the manifest of every rank's files (none read again), then rename into place."""
         manifest = {"format_version": FORMAT_VERSION, "checksum": CHECKSUM, "global_step": step,
                     "world_size": self.world_size, "strategy": self.strategy, "files": dict(sorted(files.items()))}
+        if self.layout:
+            manifest["parallelism"] = self.layout
         write_json(manifest, os.path.join(tmp, MANIFEST))
         rename_into_place(tmp, final)
 

@@ -203,7 +203,12 @@ class TrainingArguments(HFArgumentMethods):
     liger_kernel_config: dict[str, bool] | None = _f(None, "not supported (use_liger_kernel)")
     optim_target_modules: None | str | list[str] = _f(
         None, "the modules whose weights GaLore / APOLLO project: names, a regex or 'all-linear'")
-    parallelism_config: Any = _f(None, "not supported (no accelerate): use the distributed section")
+    parallelism_config: Any = _f(
+        None, "the device mesh, as HF/accelerate: {dp_replicate_size, dp_shard_size (-1: the rest), tp_size}, "
+        "their product the world size (scaling.num_workers); tp_size > 1: tensor parallelism with FSDP2")
+    tp_plan: dict[str, str] | str | None = _f(
+        "auto", "tensor-parallel plan: auto (the model's base_model_tp_plan / _tp_plan) or module name patterns "
+        "to colwise, rowwise, colwise_gather_output, embedding_rowwise, sequence_parallel, replicate")
     dataloader_in_order: bool = _f(True, "batches always come in order (deterministic); false is not supported")
     dataloader_multiprocessing_context: Literal["fork", "spawn", "forkserver"] | None = _f(
         None, "start method of the data worker processes (dataloader_num_workers > 0); default: torch's")

@@ -27,8 +27,6 @@ _HF_NOOP_WARNINGS = {
     "fsdp_config": "fsdp_config is not used; put FSDP options in distributed.fsdp",
     "include_for_metrics": "include_for_metrics is not supported; EvalPrediction holds predictions and label_ids",
     "liger_kernel_config": "liger_kernel_config is not supported; the model's own kernels are used",
-    "parallelism_config": "parallelism_config is not supported (no accelerate); use the distributed section "
-                          "(distributed.strategy ddp, fsdp or deepspeed)",
     "dataloader_in_order": "dataloader_in_order=False is not supported; batches always come in order",
     **{name: f"{name} is not supported without report_to trackio; it is ignored"
        for name in ("trackio_space_id", "trackio_bucket_id", "trackio_static_space_id")},
@@ -215,6 +213,7 @@ class ArgumentRules(StrictModel):
 
             if not torch.cuda.is_available() or self.use_cpu:
                 raise ConfigError("fp16 requires a CUDA GPU (none found and scaling.use_gpu is false); use bf16 on CPU")
+        self._check_parallelism()
         self._check_elastic_batch()
         if self.optim in LOW_RANK and self.optim_target_modules is None:
             raise ConfigError(f"optim_target_modules: {self.optim} projects the weights of these modules; set it "
@@ -238,6 +237,34 @@ class ArgumentRules(StrictModel):
                 f"gradient_accumulation_steps) at {', '.join(map(str, bad))} worker(s): neither "
                 "gradient_accumulation_steps nor per_device_train_batch_size divides evenly there; "
                 "narrow the range or pick a global batch that every size divides")
+
+    def _check_parallelism(self) -> None:
+        """parallelism_config normalised to a dict of sizes and checked against the world size and backend."""
+        from ..strategies.mesh import ParallelDims, normalize
+
+        try:
+            sizes = normalize(self.parallelism_config)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if sizes is None:
+            return
+        self.__dict__["parallelism_config"] = sizes
+        scaling, dist = self.scaling, self.distributed
+        try:
+            dims = ParallelDims.resolve(sizes, scaling.num_workers)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if dims.tp > 1 and scaling.elastic:
+            raise ConfigError(f"parallelism_config.tp_size: {dims.tp} with an elastic scaling.num_workers range "
+                              "is not supported; fix num_workers or set tp_size 1")
+        if dist.strategy == "deepspeed" and (dims.tp > 1 or dims.dp_replicate > 1):
+            raise ConfigError("parallelism_config: tp_size / dp_replicate_size > 1 need distributed.strategy fsdp "
+                              "(FSDP2), not deepspeed (ZeRO shards over every rank)")
+        if dist.strategy == "ddp" and (dims.tp > 1 or dims.dp_replicate > 1):
+            raise ConfigError("parallelism_config: tp_size / dp_replicate_size > 1 need distributed.strategy fsdp "
+                              "(or auto), not ddp")
+        if dist.strategy == "auto" and (dims.tp > 1 or dims.dp_replicate > 1):
+            self.__dict__["distributed"] = type(dist).model_validate({**dist.model_dump(), "strategy": "fsdp"})
 
     def _resolve_aliases(self) -> None:
         """As HF 5.23: a deprecated name is used only when its new name is unset; then both agree."""

@@ -50,6 +50,10 @@ class Strategy:
         self.scaler: torch.amp.GradScaler | None = None
         self.model: torch.nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
+        # Which rows of the data this rank takes: the same for a tensor-parallel group's ranks.
+        self.dp_rank, self.dp_size = 0, 1
+        #: The mesh's sizes (parallelism_config), recorded in checkpoints; None: plain data parallel.
+        self.layout: dict[str, int] | None = None
 
     @property
     def is_main(self) -> bool:
@@ -119,6 +123,10 @@ class Strategy:
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         return [obj]
+
+    def data_parallel_view(self, per_rank: list) -> list:
+        """Of one item per rank (all_gather_object's), one per data-parallel rank."""
+        return per_rank
 
     def broadcast_object(self, obj: Any) -> Any:
         return obj
@@ -212,6 +220,7 @@ class TorchDistributedMixin:
             raise RuntimeError(f"distributed.strategy={args.distributed.strategy}: torch.distributed is not "
                                "initialised; run with scaling.num_workers > 1 (Ray Train) or under torchrun")
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.dp_rank, self.dp_size = self.rank, self.world_size
         self.local_rank = int(os.environ.get("LOCAL_RANK", 0))
         use_cuda = torch.cuda.is_available() and args.scaling.use_gpu
         if use_cuda:

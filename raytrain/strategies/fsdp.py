@@ -10,6 +10,8 @@ Options, from `distributed.fsdp`:
   wrap_classes             class names of the blocks to shard separately (e.g. [DecoderLayer]);
                            transformer_layer_cls_to_wrap is accepted as HF's name for it
   min_num_params           or: shard separately every submodule holding at least this many parameters
+2-D (parallelism_config with tp_size > 1, or dp_replicate_size > 1 for HSDP): the model's tensor-parallel
+plan is applied on the mesh's tp dim first, then fully_shard on its data-parallel dims (torchtitan's order).
 Checkpoints: model.safetensors is the consolidated full state dict (rank 0); the optimizer state is
 saved sharded with torch.distributed.checkpoint into the checkpoint's dcp/ directory.
 """
@@ -30,7 +32,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from . import tp as tensor_parallel
 from .base import DCP_DIR, Strategy, TorchDistributedMixin
+from .mesh import ParallelDims
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +59,14 @@ class FSDPStrategy(TorchDistributedMixin, Strategy):
         self._mixed_precision()  # validates the dtypes now, before any worker is set up
         self._init_distributed(args)
         self._dcp_stager = None
+        self.dims = ParallelDims.resolve(args.parallelism_config, self.world_size)
+        self.dims.check_local(int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None)
+        self.dp_rank, self.dp_size = self.dims.dp_rank(self.rank), self.dims.dp
+        self._dp_group = self.dims.dp_group(self.rank) if self.dims.tp > 1 else None
+        self.layout = self.dims.as_dict()
 
     # -- set-up
     def setup(self, model, optimizer_factory, optimizer=None):
-        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
         if optimizer is not None:
@@ -69,7 +77,7 @@ class FSDPStrategy(TorchDistributedMixin, Strategy):
         if self.options.get("activation_checkpointing"):
             for block in blocks or [model]:
                 _checkpoint_forward(block)
-        kwargs = {"mesh": init_device_mesh(self.device.type, (self.world_size,)),
+        kwargs = {"mesh": self._dp_mesh(model),
                   "reshard_after_forward": bool(self.options.get("reshard_after_forward", True))}
         mp = self._mixed_precision()
         if mp is not None:
@@ -78,12 +86,25 @@ class FSDPStrategy(TorchDistributedMixin, Strategy):
             logger.warning("distributed.fsdp.cpu_offload: ignored without GPUs (everything is in CPU memory)")
         elif self.options.get("cpu_offload"):
             kwargs["offload_policy"] = CPUOffloadPolicy()
-        for block in blocks:
-            fully_shard(block, **kwargs)
-        fully_shard(model, **kwargs)
+        if self.dims.dp > 1:  # tp alone: no data-parallel dim to shard over
+            for block in blocks:
+                fully_shard(block, **kwargs)
+            fully_shard(model, **kwargs)
         self.optimizer = optimizer_factory(model)
         self.model = torch.compile(model) if self.args.torch_compile else model
         return self.model, self.optimizer
+
+    def _dp_mesh(self, model):
+        """The mesh FSDP shards over; with TP in the layout, the model's plan is applied first."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dims = self.dims
+        if dims.tp == 1 and dims.dp_replicate == 1:
+            return init_device_mesh(self.device.type, (self.world_size,))
+        mesh = dims.build_mesh(self.device.type)
+        if dims.tp > 1:
+            tensor_parallel.apply_tp(model, mesh["tp"], self.args.tp_plan)
+        return mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
 
     def _blocks(self, model) -> list[torch.nn.Module]:
         """The submodules sharded on their own (each its own all-gather), innermost first."""
@@ -131,9 +152,14 @@ class FSDPStrategy(TorchDistributedMixin, Strategy):
 
     # -- the step
     def no_sync(self):
+        if self.dims.dp == 1:
+            return contextlib.nullcontext()
         return _requires_gradient_sync(self.unwrap(self.model), False)
 
     def clip_grad_norm(self, max_norm):
+        if self.dims.tp > 1:  # DTensors on two meshes (dp x tp, dp)
+            return tensor_parallel.clip_grad_norm([p for p in self.model.parameters() if p.grad is not None],
+                                                  max_norm)
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         total = torch.nn.utils.get_total_norm(grads, foreach=True)
         if hasattr(total, "full_tensor"):  # a DTensor: the norm of this rank's shards, reduced to all
@@ -142,6 +168,19 @@ class FSDPStrategy(TorchDistributedMixin, Strategy):
             torch.nn.utils.clip_grads_with_norm_([p for p in self.model.parameters() if p.grad is not None],
                                                  max_norm, total, foreach=True)
         return total
+
+    # -- collectives: sums over the data-parallel group (a TP group's ranks hold the same values)
+    def all_reduce(self, tensor, op: str = "sum"):
+        import torch.distributed as dist
+
+        if self._dp_group is None or op not in ("sum", "mean"):
+            return super().all_reduce(tensor, op)
+        out = torch.as_tensor(tensor).to(self.device, copy=True)
+        dist.all_reduce(out, dist.ReduceOp.SUM, group=self._dp_group)
+        return out / self.dp_size if op == "mean" else out
+
+    def data_parallel_view(self, per_rank: list) -> list:
+        return [x for r, x in enumerate(per_rank) if self.dims.tp_rank(r) == 0]
 
     # -- state for checkpoints
     def model_state_dict(self, all_ranks: bool = False, trainable_only: bool = False):

@@ -77,7 +77,8 @@ def evaluation_loop(trainer: TrainerProtocol, source, description: str, predicti
                     labels.append(label)
         trainer.control = cb.on_prediction_step(args, trainer.state, trainer.control)
     runtime = time.perf_counter() - start
-    gathered = strategy.all_gather_object((loss_sum, items, nested_concat(preds), nested_concat(labels), n_seen))
+    gathered = strategy.data_parallel_view(  # a TP group's ranks evaluated the same rows: counted once
+        strategy.all_gather_object((loss_sum, items, nested_concat(preds), nested_concat(labels), n_seen)))
     loss_sum = sum(g[0] for g in gathered)
     items = sum(g[1] for g in gathered)
     predictions = _numpy(nested_concat([g[2] for g in gathered if g[2] is not None]))

@@ -152,7 +152,7 @@ def _setup(trainer: TrainerProtocol) -> RunState:
         if strategy.is_main:
             os.makedirs(args.output_dir, exist_ok=True)
         writer = ckpt.CheckpointWriter(args.output_dir, rank=strategy.rank, world_size=strategy.world_size,
-                                       strategy=strategy.name, barrier=strategy.barrier,
+                                       strategy=strategy.name, barrier=strategy.barrier, layout=strategy.layout,
                                        save_async=args.save_async, async_policy=args.save_async_policy,
                                        all_gather=strategy.all_gather_object,
                                        side_channel=strategy.side_channel() if args.save_async and
@@ -165,7 +165,7 @@ def _train_source(trainer: TrainerProtocol, strategy):
     """get_train_dataloader's source (a plain iterable of batches is wrapped); eval sets checked against it."""
     data = trainer.get_train_dataloader()
     if not hasattr(data, "iter_batches"):  # an overridden get_train_dataloader returned a plain iterable
-        data = LoaderSource(data, rank=strategy.rank, world_size=strategy.world_size)
+        data = LoaderSource(data, rank=strategy.dp_rank, world_size=strategy.dp_size)
     check_iterable_training(data, trainer.args.max_steps)
     if trainer.eval_dataset is not None:  # a mismatched eval set fails now, not at the first evaluation
         evals = trainer.eval_dataset if is_named_datasets(trainer.eval_dataset) else {None: trainer.eval_dataset}
@@ -344,7 +344,7 @@ def _train_metrics(run: RunState, start: float, start_step: int) -> dict:
     steps = state.global_step - start_step
     pending = run.strategy.all_reduce(run.tr_loss.detach().clone()).item()  # shares: summed
     samples = steps * trainer.args.per_device_train_batch_size * trainer.args.gradient_accumulation_steps \
-        * run.strategy.world_size
+        * run.strategy.dp_size
     metrics = {
         "train_runtime": round(runtime, 4),
         "train_samples_per_second": round(samples / runtime, 3) if runtime > 0 else 0.0,

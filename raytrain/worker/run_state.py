@@ -106,7 +106,7 @@ def data_state(run: RunState, epoch_finished: bool) -> dict:
     args, strategy = run.trainer.args, run.strategy
     epoch, nxt = (run.epoch + 1, 0) if epoch_finished else (run.epoch, run.next_batch)
     return {"epoch": epoch, "next_batch": nxt, "global_step": run.trainer.state.global_step,
-            "samples_consumed": nxt * args.per_device_train_batch_size * strategy.world_size,
+            "samples_consumed": nxt * args.per_device_train_batch_size * strategy.dp_size,
             "gradient_accumulation_steps": args.gradient_accumulation_steps,
             **run.data.state()}
 

@@ -1,0 +1,121 @@
+"""Tensor parallelism with torch's parallelize_module, from an HF-style plan (module name pattern -> style).
+
+tp_plan "auto": the model's own plan, as transformers models carry it (the instance's `_tp_plan`, full
+names; else `config.base_model_tp_plan`, relative to the base model). Read by attribute: no transformers
+import here (strategies/ sits below hf/).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+#: HF's style names -> (torch ParallelStyle factory, the dim of the weight it splits: 0 rows, 1 columns).
+_STYLES = ("colwise", "rowwise", "colwise_rep", "colwise_gather_output", "rowwise_rep", "embedding_rowwise",
+           "sequence_parallel", "replicate")
+
+
+def _style(name: str):
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    if name == "colwise":
+        return ColwiseParallel()
+    if name in ("colwise_rep", "colwise_gather_output"):  # logits gathered: the loss sees the full vocab
+        return ColwiseParallel(output_layouts=Replicate())
+    if name == "rowwise":
+        return RowwiseParallel()
+    if name in ("rowwise_rep", "embedding_rowwise"):  # the input (ids, or a replicated activation) is whole
+        return RowwiseParallel(input_layouts=Replicate())
+    if name == "sequence_parallel":
+        return SequenceParallel()
+    return None  # replicate: left as it is
+
+
+def model_plan(model: torch.nn.Module, tp_plan: Any) -> dict[str, str]:
+    """The plan to apply, by full module-name pattern; one-line ValueError naming tp_plan when none."""
+    if isinstance(tp_plan, dict):
+        plan = dict(tp_plan)
+    elif tp_plan in (None, "auto"):
+        plan = dict(getattr(model, "_tp_plan", None) or {})
+        if not plan:
+            base = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
+            prefix = getattr(model, "base_model_prefix", "")
+            prefix = f"{prefix}." if prefix and hasattr(model, prefix) else ""
+            plan = {prefix + k: v for k, v in base.items()}
+        if not plan:
+            raise ValueError(f"tp_plan: {type(model).__name__} has no tensor-parallel plan (no _tp_plan or "
+                             "config.base_model_tp_plan); pass tp_plan as a dict of module names to "
+                             f"{', '.join(_STYLES[:3])}, ...")
+    else:
+        raise ValueError(f"tp_plan: 'auto' or a dict of module names to styles, got {tp_plan!r}")
+    bad = {k: v for k, v in plan.items() if v not in _STYLES}
+    if bad:
+        raise ValueError(f"tp_plan: unsupported style(s) {bad}; supported: {', '.join(_STYLES)}")
+    return plan
+
+
+def resolve(model: torch.nn.Module, plan: dict[str, str]) -> dict[str, str]:
+    """Module name -> style for every module a pattern matches ('*' one name part, as HF's plans)."""
+    patterns = [(re.compile(re.escape(p).replace(r"\*", r"[^.]+") + "$"), s) for p, s in plan.items()]
+    out = {}
+    for name, _ in model.named_modules():
+        for regex, style in patterns:
+            if name and regex.match(name):
+                out[name] = style
+                break
+    if not out:
+        raise ValueError(f"tp_plan: no module of {type(model).__name__} matches {sorted(plan)}")
+    return out
+
+
+def check_divisible(model: torch.nn.Module, modules: dict[str, str], tp: int) -> None:
+    """Every split dim (heads, widths, vocab) divisible by tp_size; one line naming the first that is not."""
+    config = getattr(model, "config", None)
+    for attr in ("num_attention_heads", "num_key_value_heads"):
+        n = getattr(config, attr, None)
+        if isinstance(n, int) and n % tp:
+            raise ValueError(f"parallelism_config.tp_size: {tp} must divide the model's {attr} ({n})")
+    for name, style in modules.items():
+        module = model.get_submodule(name)
+        if style in ("replicate", "sequence_parallel"):
+            continue
+        if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):  # e.g. a PEFT LoRA layer
+            raise ValueError(f"tp_plan: {name} is a {type(module).__name__}, not a Linear or Embedding; tensor "
+                             "parallelism splits plain layers only (LoRA with tp_size > 1 is not supported)")
+        weight = module.weight
+        dim = 0 if style.startswith("colwise") or isinstance(module, torch.nn.Embedding) else 1
+        if weight.shape[dim] % tp:
+            raise ValueError(f"parallelism_config.tp_size: {tp} must divide {name}'s {style} dim "
+                             f"({weight.shape[dim]})")
+
+
+def apply_tp(model: torch.nn.Module, tp_mesh, tp_plan: Any) -> dict[str, str]:
+    """Shard the model's planned modules over `tp_mesh`; returns what was applied (module -> style)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    modules = resolve(model, model_plan(model, tp_plan))
+    check_divisible(model, modules, tp_mesh.size())
+    styles = {name: _style(style) for name, style in modules.items()}
+    parallelize_module(model, tp_mesh, {k: v for k, v in styles.items() if v is not None})
+    return modules
+
+
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float | None) -> torch.Tensor:
+    """The 2-norm of all gradients across the mesh, exact, and clipping by it: DTensors on different
+    meshes (TP weights on dp x tp, the rest on dp only) cannot share a foreach op, so per mesh and layout."""
+    groups: dict[Any, list[torch.nn.Parameter]] = {}
+    for p in params:
+        key = (p.grad.device_mesh, p.grad.placements) if hasattr(p.grad, "device_mesh") else None
+        groups.setdefault(key, []).append(p)
+    norms = []
+    for members in groups.values():
+        n = torch.nn.utils.get_total_norm([p.grad for p in members], foreach=True)
+        norms.append(n.full_tensor() if hasattr(n, "full_tensor") else n)
+    total = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
+    if max_norm:
+        for members in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(members, max_norm, total, foreach=True)
+    return total
