@@ -1,1 +1,1 @@
-"""The command line's parts beside raytrain.run: the --search sweep."""
+"""The command line's parts beside raytrain.run: the job from the factories, the --search sweep."""
