@@ -326,7 +326,7 @@ def _training_arguments(config: str, overrides: list[str]) -> TrainingArguments:
         return arguments_from_yaml(config, overrides)  # Seq2SeqTrainingArguments if it names their fields
     except ConfigError as e:
         name = str(e).split("'")[1] if str(e).startswith("unknown field '") else None
-        trl_args = _trl_arguments(config, overrides) if name is not None else None
+        trl_args = _trl_arguments(config, overrides, name)
         if trl_args is not None:
             return trl_args
         if name in SPEC_KEYS:
@@ -335,8 +335,22 @@ def _training_arguments(config: str, overrides: list[str]) -> TrainingArguments:
         raise
 
 
-def _trl_arguments(config: str, overrides: list[str]) -> TrainingArguments | None:
+# TRL 1.16's own SFTConfig / DPOConfig fields (tests/hf/test_trl.py compares them with trl's): only a config naming
+# one imports trl, so an unknown field's error stays one line.
+TRL_FIELDS = frozenset((
+    "activation_offloading", "assistant_only_loss", "beta", "chat_template_path", "completion_only_loss",
+    "dataset_kwargs", "dataset_num_proc", "dataset_text_field", "disable_dropout", "discopop_tau", "eos_token",
+    "eval_packing", "f_alpha_divergence_coef", "f_divergence_type", "label_smoothing", "ld_alpha", "loss_type",
+    "loss_weights", "max_length", "model_init_kwargs", "packing", "packing_strategy", "pad_to_multiple_of",
+    "pad_token", "padding_free", "precompute_ref_batch_size", "precompute_ref_log_probs", "ref_model_mixup_alpha",
+    "ref_model_sync_steps", "router_aux_loss_coef", "shuffle_dataset", "sync_ref_model", "truncation_mode",
+    "trust_remote_code", "use_weighting"))
+
+
+def _trl_arguments(config: str, overrides: list[str], name: str) -> TrainingArguments | None:
     """SFTConfig / DPOConfig when the config names one of TRL's fields and trl is installed (raytrain.trl)."""
+    if name not in TRL_FIELDS:
+        return None
     try:
         from .trl import config_from_yaml
     except ImportError:
