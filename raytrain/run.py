@@ -20,6 +20,7 @@ from typing import Any
 
 from .config.args import ConfigError, TrainingArguments, cli_help
 from .cli.search import SEARCH_HELP, run_search_cli
+from .cli.trl import trainer_for, trl_arguments
 from .config.sections import import_string
 from .config.seq2seq import arguments_from_yaml, seq2seq_help
 
@@ -326,7 +327,7 @@ def _training_arguments(config: str, overrides: list[str]) -> TrainingArguments:
         return arguments_from_yaml(config, overrides)  # Seq2SeqTrainingArguments if it names their fields
     except ConfigError as e:
         name = str(e).split("'")[1] if str(e).startswith("unknown field '") else None
-        trl_args = _trl_arguments(config, overrides, name)
+        trl_args = trl_arguments(config, overrides, name)
         if trl_args is not None:
             return trl_args
         if name in SPEC_KEYS:
@@ -335,44 +336,12 @@ def _training_arguments(config: str, overrides: list[str]) -> TrainingArguments:
         raise
 
 
-# TRL 1.16's own SFTConfig / DPOConfig fields (tests/hf/test_trl.py compares them with trl's): only a config naming
-# one imports trl, so an unknown field's error stays one line.
-TRL_FIELDS = frozenset((
-    "activation_offloading", "assistant_only_loss", "beta", "chat_template_path", "completion_only_loss",
-    "dataset_kwargs", "dataset_num_proc", "dataset_text_field", "disable_dropout", "discopop_tau", "eos_token",
-    "eval_packing", "f_alpha_divergence_coef", "f_divergence_type", "label_smoothing", "ld_alpha", "loss_type",
-    "loss_weights", "max_length", "model_init_kwargs", "packing", "packing_strategy", "pad_to_multiple_of",
-    "pad_token", "padding_free", "precompute_ref_batch_size", "precompute_ref_log_probs", "ref_model_mixup_alpha",
-    "ref_model_sync_steps", "router_aux_loss_coef", "shuffle_dataset", "sync_ref_model", "truncation_mode",
-    "trust_remote_code", "use_weighting"))
-
-
-def _trl_arguments(config: str, overrides: list[str], name: str) -> TrainingArguments | None:
-    """SFTConfig / DPOConfig when the config names one of TRL's fields and trl is installed (raytrain.trl)."""
-    if name not in TRL_FIELDS:
-        return None
-    try:
-        from .trl import config_from_yaml
-    except ImportError:
-        return None
-    return config_from_yaml(config, overrides)
-
-
-def _trainer_for(args: TrainingArguments):
-    from .trainer import trainer_class
-
-    if type(args).__module__ == "raytrain.trl":
-        from .trl import trainer_for
-        return trainer_for(args)
-    return trainer_class(args)
-
-
 def _train(ns, session: _Session, args: TrainingArguments, job: dict, resume, stop) -> int:
     from .driver.signals import ray_train_signals
     from .worker.signals import StopOnSignal
 
     session.open_log(args.output_dir)
-    trainer = _trainer_for(args)(args=args, **job)
+    trainer = trainer_for(args)(args=args, **job)
     run = _TrackedRun.open(trainer, resume)
     trainer.add_callback(StopOnSignal(stop))
     resumed_at = _resumed_step(args.output_dir, resume)  # before this run writes checkpoints of its own

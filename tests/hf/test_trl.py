@@ -233,6 +233,6 @@ def test_the_cli_examples_run_and_their_adapter_loads(tmp_path, config):
 
 def test_the_cli_knows_trl_fields_without_importing_trl():
     import raytrain.trl as rt
-    from raytrain.run import TRL_FIELDS
+    from raytrain.cli.trl import TRL_FIELDS
 
     assert TRL_FIELDS == set(rt.SFTConfig.TRL_FIELDS) | set(rt.DPOConfig.TRL_FIELDS)
