@@ -20,6 +20,7 @@ import sys
 from .config.args import ConfigError, TrainingArguments, cli_help
 from .cli.job import build_job
 from .cli.search import SEARCH_HELP, run_search_cli
+from .cli.trl import trainer_for, trl_arguments
 from .config.seq2seq import arguments_from_yaml, seq2seq_help
 
 EXIT_CONFIG = 2
@@ -272,7 +273,7 @@ def _training_arguments(config: str, overrides: list[str]) -> TrainingArguments:
         return arguments_from_yaml(config, overrides)  # Seq2SeqTrainingArguments if it names their fields
     except ConfigError as e:
         name = str(e).split("'")[1] if str(e).startswith("unknown field '") else None
-        trl_args = _trl_arguments(config, overrides) if name is not None else None
+        trl_args = trl_arguments(config, overrides, name)
         if trl_args is not None:
             return trl_args
         if name in SPEC_KEYS:
@@ -281,30 +282,12 @@ def _training_arguments(config: str, overrides: list[str]) -> TrainingArguments:
         raise
 
 
-def _trl_arguments(config: str, overrides: list[str]) -> TrainingArguments | None:
-    """SFTConfig / DPOConfig when the config names one of TRL's fields and trl is installed (raytrain.trl)."""
-    try:
-        from .trl import config_from_yaml
-    except ImportError:
-        return None
-    return config_from_yaml(config, overrides)
-
-
-def _trainer_for(args: TrainingArguments):
-    from .trainer import trainer_class
-
-    if type(args).__module__ == "raytrain.trl":
-        from .trl import trainer_for
-        return trainer_for(args)
-    return trainer_class(args)
-
-
 def _train(ns, session: _Session, args: TrainingArguments, job: dict, resume, stop) -> int:
     from .driver.signals import ray_train_signals
     from .worker.signals import StopOnSignal
 
     session.open_log(args.output_dir)
-    trainer = _trainer_for(args)(args=args, **job)
+    trainer = trainer_for(args)(args=args, **job)
     run = _TrackedRun.open(trainer, resume)
     trainer.add_callback(StopOnSignal(stop))
     resumed_at = _resumed_step(args.output_dir, resume)  # before this run writes checkpoints of its own

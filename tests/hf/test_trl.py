@@ -229,3 +229,10 @@ def test_the_cli_examples_run_and_their_adapter_loads(tmp_path, config):
     assert ("eval_mean_token_accuracy" if config == "sft" else "eval_rewards/margins") in summary
     PeftModel.from_pretrained(build_model(), str(out / "final"))
     assert os.path.exists(out / "plots" / ("loss.png"))
+
+
+def test_the_cli_knows_trl_fields_without_importing_trl():
+    import raytrain.trl as rt
+    from raytrain.cli.trl import TRL_FIELDS
+
+    assert TRL_FIELDS == set(rt.SFTConfig.TRL_FIELDS) | set(rt.DPOConfig.TRL_FIELDS)

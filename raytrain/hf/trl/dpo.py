@@ -87,11 +87,11 @@ class DPOMethods(TRLMethods):
                          compute_metrics=compute_metrics, callbacks=callbacks, optimizers=optimizers)
         self._set_aux_loss(model, args)
         if ref_model is None and not hasattr(self.model, "peft_config") and not args.precompute_ref_log_probs:
-            if model_path is None:
+            path = model_path or getattr(self.model.config, "_name_or_path", "")  # as TRL: reloaded from there
+            if not path:
                 raise ValueError("ref_model: give one (or a path as model, or peft_config, or "
-                                 "precompute_ref_log_probs=True); raytrain.trl does not copy an in-memory model")
-            ref_model = create_model_from_path(model_path, **{**(args.model_init_kwargs or {}),
-                                                              "dtype": self.model.dtype})
+                                 "precompute_ref_log_probs=True); a model built in memory has no path to reload")
+            ref_model = create_model_from_path(path, **{**(args.model_init_kwargs or {}), "dtype": self.model.dtype})
         self.ref_model = ref_model
         if args.disable_dropout:
             disable_dropout_in_model(self.model)

@@ -51,6 +51,12 @@ class SFTMethods(TRLMethods):
                 raise ValueError(f"eos_token: {args.eos_token!r} is not in the tokenizer's vocabulary")
             processing_class.eos_token = args.eos_token
             model.config.get_text_config().eos_token_id = processing_class.eos_token_id
+            gen = getattr(model, "generation_config", None)
+            if gen is not None:  # as TRL: the new eos stops generation too, beside the old ones
+                ids = [] if gen.eos_token_id is None else [gen.eos_token_id] if isinstance(gen.eos_token_id, int) \
+                    else list(gen.eos_token_id)
+                if processing_class.eos_token_id not in ids:
+                    gen.eos_token_id = [processing_class.eos_token_id, *ids]
         added_tokens = []
         if args.chat_template_path is not None:
             path = args.chat_template_path
@@ -106,6 +112,9 @@ class SFTMethods(TRLMethods):
                 else:
                     eval_dataset = self._prepare_dataset(eval_dataset, processing_class, args, packing,
                                                          formatting_func, "eval")
+        if args.label_smoothing_factor > 0:
+            raise ValueError("label_smoothing_factor: not supported by raytrain.trl's SFTTrainer (deprecated in TRL "
+                             "1.16: it needs the full logits)")
         if args.loss_type not in ("nll", "dft"):
             raise ValueError(f"loss_type: {args.loss_type!r} is not one of 'nll', 'dft'")
         if args.loss_type == "dft" and compute_loss_func is not None:
