@@ -20,8 +20,10 @@ LAYOUTS = {  # name -> (parallelism_config, per-device batch); 4 processes each
     "2x2": ({"dp_shard_size": 2, "tp_size": 2}, 4),
     "dp4": ({"dp_shard_size": 4}, 2),
     "tp4": ({"tp_size": 4}, 8),
+    "hsdp": ({"dp_replicate_size": 2, "dp_shard_size": 2}, 2),  # FSDP2 pairs, replicated
 }
 RESUMES = ("2x2", "dp4", "tp4")  # from 2x2's checkpoint-SAVE_AT
+BACK = ("dp4", "tp4", "single")  # 2x2 resumes from these layouts' checkpoint-SAVE_AT
 
 
 def tiny_llama(seed: int = 0):
@@ -44,6 +46,7 @@ def lm_args(output_dir: str, parallelism=None, per_device: int = GLOBAL_BATCH, w
     base = dict(output_dir=output_dir, max_steps=STEPS, per_device_train_batch_size=per_device,
                 learning_rate=3e-3, max_grad_norm=1.0, logging_steps=1, save_steps=SAVE_AT, seed=3,
                 disable_tqdm=True, report_to="none", scaling={"num_workers": workers},
+                include_num_input_tokens_seen="all",
                 parallelism_config=parallelism)
     if parallelism is not None:
         base["distributed"] = {"strategy": "fsdp"}
@@ -60,7 +63,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank: int, root: str, port: int) -> None:
+def _rank(rank: int, root: str, port: int, single: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="4", LOCAL_WORLD_SIZE="4")
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -72,6 +75,8 @@ def _rank(rank: int, root: str, port: int) -> None:
     runs = [(name, name, None) for name in LAYOUTS]
     first = os.path.join(root, "2x2", f"checkpoint-{SAVE_AT}")
     runs += [(f"resume-{name}", name, first) for name in RESUMES]
+    runs += [(f"back-{name}", "2x2", os.path.join(single if name == "single" else os.path.join(root, name),
+                                                  f"checkpoint-{SAVE_AT}")) for name in BACK]
     out = {}
     for run, layout, resume in runs:
         parallelism, per_device = LAYOUTS[layout]
@@ -79,17 +84,21 @@ def _rank(rank: int, root: str, port: int) -> None:
         trainer = Trainer(tiny_llama(), args, train_dataset=token_rows())
         loop.train(trainer, resume)
         out[run] = _losses(trainer)
+        if run in LAYOUTS:
+            trainer.save_model(os.path.join(root, run, "final"))  # a collective, as at the end of raytrain.run
+            out[f"{run}-tokens"] = trainer.state.num_input_tokens_seen
+            out[f"{run}-eval"] = trainer.evaluate(eval_dataset=token_rows(16))["eval_loss"]
     dist.destroy_process_group()
     with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
 
 
 @pytest.fixture(scope="module")
-def layouts(tmp_path_factory):
+def layouts(tmp_path_factory, one_process):
     import torch.multiprocessing as mp
 
     root = tmp_path_factory.mktemp("tp")
-    mp.spawn(_rank, args=(str(root), _free_port()), nprocs=4, join=True)
+    mp.spawn(_rank, args=(str(root), _free_port(), str(one_process[0] / "single")), nprocs=4, join=True)
     return root, [json.loads((root / f"rank{r}.json").read_text()) for r in range(4)]
 
 
@@ -114,13 +123,19 @@ def test_layouts_match_one_process_and_resume_across_layouts(layouts, one_proces
     for results in per_rank:  # every rank logs the loss of the whole global batch
         assert results == per_rank[0]
     results = per_rank[0]
-    for name in LAYOUTS:
+    single = one_process[1]
+    eval_loss = single.evaluate(eval_dataset=token_rows(16))["eval_loss"]
+    for name in LAYOUTS:  # the logged loss, tokens seen and evaluation: reduced over data-parallel ranks only
         assert results[name] == pytest.approx(ref, abs=1e-5), name
+        assert results[f"{name}-tokens"] == single.state.num_input_tokens_seen == STEPS * GLOBAL_BATCH * 16
+        assert results[f"{name}-eval"] == pytest.approx(eval_loss, abs=1e-5), name
     # (a resumed run's history starts with the checkpoint's.) 2x2 -> 2x2 is the same maths: bit for bit;
     # other layouts within float tolerance
     assert results["resume-2x2"] == results["2x2"]
     for name in RESUMES:
         assert results[f"resume-{name}"] == pytest.approx(ref, abs=1e-5), name
+    for name in BACK:  # and back: 2x2 from dp4's, tp4's and one process's checkpoint
+        assert results[f"back-{name}"] == pytest.approx(ref, abs=1e-5), name
     single = Trainer(tiny_llama(), lm_args(str(one_process[0] / "resumed")), train_dataset=token_rows())
     single.train(resume_from_checkpoint=str(root / "2x2" / f"checkpoint-{SAVE_AT}"))
     assert _losses(single) == pytest.approx(ref, abs=1e-5)
@@ -135,9 +150,8 @@ def test_every_layout_saves_what_from_pretrained_loads(layouts, one_process):
 
     root, _ = layouts
     ref = one_process[1].model.state_dict()
-    for name in LAYOUTS:
-        model, info = LlamaForCausalLM.from_pretrained(str(root / name / f"checkpoint-{STEPS}"),
-                                                       output_loading_info=True)
+    for name, folder in [(n, f) for n in LAYOUTS for f in (f"checkpoint-{STEPS}", "final")]:
+        model, info = LlamaForCausalLM.from_pretrained(str(root / name / folder), output_loading_info=True)
         assert not info["missing_keys"] and not info["unexpected_keys"], (name, info)
         for key, value in model.state_dict().items():
             torch.testing.assert_close(value, ref[key], rtol=1e-4, atol=1e-5)
