@@ -163,6 +163,7 @@ def test_every_layout_saves_what_from_pretrained_loads(layouts, one_process):
     ({"tp_size": 3}, {}, "parallelism_config: dp_replicate_size 1 x tp_size 3 must divide the world size"),
     ({"tp_size": 2, "cp_size": 2}, {}, "parallelism_config.cp_size: context parallelism needs CUDA"),
     ({"tp_size": 2, "pp_size": 2}, {}, "parallelism_config: unknown field(s) ['pp_size']"),
+    ({"sp_size": 2}, {}, "parallelism_config.sp_size: sequence parallelism"),
     ({"tp_size": 0}, {}, "parallelism_config.tp_size: an integer >= 1, got 0"),
     ({"tp_size": 2}, {"distributed": {"strategy": "deepspeed"}}, "need distributed.strategy fsdp (FSDP2), not deepspeed"),
     ({"tp_size": 2}, {"distributed": {"strategy": "ddp"}}, "need distributed.strategy fsdp (or auto), not ddp"),
@@ -187,6 +188,10 @@ def test_auto_picks_fsdp_and_a_parallelism_config_object_is_read_by_attribute(tm
     (tmp_path / "run.yaml").write_text(f"output_dir: {tmp_path}\nmax_steps: 1\nscaling: {{num_workers: 4}}\n")
     args = TrainingArguments.from_yaml(tmp_path / "run.yaml", ["parallelism_config.tp_size=2"])
     assert args.parallelism_config["tp_size"] == 2 and args.distributed.strategy == "fsdp"
+    accelerate = pytest.importorskip("accelerate")
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, scaling={"num_workers": 4},
+                             parallelism_config=accelerate.ParallelismConfig(dp_shard_size=2, tp_size=2))
+    assert args.parallelism_config == {"dp_replicate_size": 1, "dp_shard_size": 2, "tp_size": 2, "cp_size": 1}
 
 
 def test_tp_plan_errors_name_the_option():
