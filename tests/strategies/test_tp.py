@@ -232,3 +232,15 @@ def test_ray_2x2_worker_sigkilled_resumes_bit_exactly(ray_cluster, layouts, tmp_
     ours, ref = load_weights(str(out / f"checkpoint-{STEPS}")), load_weights(str(root / "2x2" / f"checkpoint-{STEPS}"))
     assert ours.keys() == ref.keys() and all(torch.equal(ours[k], ref[k]) for k in ref)
     assert _losses(trainer) == per_rank[0]["2x2"]
+
+
+def test_the_world_size_at_setup_and_the_node_size_are_checked_again():
+    from raytrain.strategies.mesh import ParallelDims
+
+    dims = ParallelDims.resolve({"dp_shard_size": -1, "tp_size": 2}, 8)
+    assert (dims.dp_shard, dims.dp, dims.dp_rank(5), dims.tp_rank(5)) == (4, 4, 2, 1)
+    with pytest.raises(ValueError, match=r"^parallelism_config: dp_replicate_size 1 x dp_shard_size 2 x tp_size 2 = 4 "
+                                         r"must equal the world size \(scaling.num_workers\) 2$"):
+        ParallelDims.resolve({"dp_shard_size": 2, "tp_size": 2}, 2)
+    with pytest.raises(ValueError, match=r"^parallelism_config.tp_size: 4 must divide the workers per node \(2\)"):
+        ParallelDims.resolve({"tp_size": 4}, 4).check_local(2)
