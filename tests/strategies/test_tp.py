@@ -35,6 +35,15 @@ def tiny_llama(seed: int = 0):
                                         max_position_embeddings=64))
 
 
+def tiny_lora(seed: int = 0):
+    """LoRA on every planned kind of layer: colwise (q, v, up) and rowwise (o, down)."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(tiny_llama(seed), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                                                       target_modules=["q_proj", "v_proj", "o_proj", "up_proj",
+                                                                       "down_proj"]))
+
+
 def token_rows(n: int = STEPS * GLOBAL_BATCH, length: int = 16) -> dict:
     """Counting sequences (random start and stride): something to learn in 10 steps."""
     rng = np.random.default_rng(0)
@@ -77,11 +86,12 @@ def _rank(rank: int, root: str, port: int, single: str) -> None:
     runs += [(f"resume-{name}", name, first) for name in RESUMES]
     runs += [(f"back-{name}", "2x2", os.path.join(single if name == "single" else os.path.join(root, name),
                                                   f"checkpoint-{SAVE_AT}")) for name in BACK]
+    runs.append(("lora-2x2", "2x2", None))
     out = {}
     for run, layout, resume in runs:
         parallelism, per_device = LAYOUTS[layout]
         args = lm_args(os.path.join(root, run), parallelism, per_device, workers=4)
-        trainer = Trainer(tiny_llama(), args, train_dataset=token_rows())
+        trainer = Trainer(tiny_lora() if run.startswith("lora") else tiny_llama(), args, train_dataset=token_rows())
         loop.train(trainer, resume)
         out[run] = _losses(trainer)
         if run in LAYOUTS:
@@ -110,6 +120,9 @@ def one_process(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp1")
     trainer = Trainer(tiny_llama(), lm_args(str(root / "single")), train_dataset=token_rows())
     trainer.train()
+    lora = Trainer(tiny_lora(), lm_args(str(root / "lora")), train_dataset=token_rows())
+    lora.train()
+    trainer.lora = lora
     return root, trainer
 
 
@@ -139,6 +152,9 @@ def test_layouts_match_one_process_and_resume_across_layouts(layouts, one_proces
     single = Trainer(tiny_llama(), lm_args(str(one_process[0] / "resumed")), train_dataset=token_rows())
     single.train(resume_from_checkpoint=str(root / "2x2" / f"checkpoint-{SAVE_AT}"))
     assert _losses(single) == pytest.approx(ref, abs=1e-5)
+
+    lora = _losses(one_process[1].lora)  # LoRA on the TP model: the adapter's parts split or whole as planned
+    assert lora[-1] < lora[0] and results["lora-2x2"] == pytest.approx(lora, abs=1e-5)
 
     manifest = json.loads((root / "2x2" / f"checkpoint-{SAVE_AT}" / "manifest.json").read_text())
     assert manifest["parallelism"] == {"dp_replicate_size": 1, "dp_shard_size": 2, "tp_size": 2}
