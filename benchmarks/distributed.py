@@ -83,7 +83,7 @@ def bench_saves(tmp: str, mb: int, steps: int, rounds: int, strategies: list[str
 LAYOUTS = {"dp4": {"dp_shard_size": 4}, "2x2": {"dp_shard_size": 2, "tp_size": 2}, "tp4": {"tp_size": 4}}
 
 
-def _layouts_rank(rank: int, port: int, hidden: int, steps: int, result: str) -> None:
+def _layouts_rank(rank: int, port: int, hidden: int, steps: int, result: str, name: str) -> None:
     import resource
 
     import numpy as np
@@ -112,7 +112,7 @@ def _layouts_rank(rank: int, port: int, hidden: int, steps: int, result: str) ->
 
     ids = np.random.default_rng(0).integers(0, 2048, (8 * steps, 128))
     out = {}
-    for name, layout in LAYOUTS.items():
+    for name, layout in [(name, LAYOUTS[name])]:  # one layout per process group: its own peak RSS
         dp = 4 // layout.get("tp_size", 1)
         args = TrainingArguments(output_dir=tempfile.mkdtemp(prefix="rtlayout"), max_steps=steps,
                                  per_device_train_batch_size=8 // dp, learning_rate=1e-4, logging_steps=10**6,
@@ -140,13 +140,16 @@ def bench_layouts(hidden: int, steps: int) -> dict:
 
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    result = os.path.join(tempfile.mkdtemp(prefix="rtlayouts"), "r.json")
-    mp.spawn(_layouts_rank, args=(port, hidden, steps, result), nprocs=4, join=True)
-    with open(result) as f:
-        ranks = json.load(f)
+    ranks = [{} for _ in range(4)]
+    for name in LAYOUTS:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        result = os.path.join(tempfile.mkdtemp(prefix="rtlayouts"), "r.json")
+        mp.spawn(_layouts_rank, args=(port, hidden, steps, result, name), nprocs=4, join=True)
+        with open(result) as f:
+            for mine, got in zip(ranks, json.load(f)):
+                mine.update(got)
     return {name: {"step_s": ranks[0][name]["step_s"], "state_mb": max(r[name]["state_mb"] for r in ranks),
                    "max_rss_mb": max(r[name]["max_rss_mb"] for r in ranks)} for name in LAYOUTS}
 
@@ -226,7 +229,7 @@ def main() -> None:
         for name, m in r.items():
             print(f"layouts {name}: median step {m['step_s'] * 1e3:.0f} ms ({m['step_s'] / r['dp4']['step_s']:.2f}x dp4), "
                   f"params+grads+AdamW per rank {m['state_mb']:.1f} MiB ({m['state_mb'] / r['dp4']['state_mb']:.2f}x "
-                  f"dp4), peak RSS per rank {m['max_rss_mb']:.0f} MiB (cumulative over the layouts run before)")
+                  f"dp4), peak RSS per rank {m['max_rss_mb']:.0f} MiB ({m['max_rss_mb'] / r['dp4']['max_rss_mb']:.2f}x dp4)")
     if "recovery" in parts:
         r = bench_recovery()
         print(f"recovery: rank 1's node lost after step 12, resumed at step {r['resumed_at_step']}: "

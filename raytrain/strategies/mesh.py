@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-FIELDS = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")
+FIELDS = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
 
 
 def normalize(config: Any) -> dict[str, int] | None:
@@ -29,7 +29,7 @@ def normalize(config: Any) -> dict[str, int] | None:
     else:
         raise ValueError(f"parallelism_config: a mapping of {', '.join(FIELDS)} or accelerate's "
                          f"ParallelismConfig, got {type(config).__name__}")
-    out = {"dp_replicate_size": 1, "dp_shard_size": -1, "tp_size": 1, "cp_size": 1}
+    out = {"dp_replicate_size": 1, "dp_shard_size": -1, "tp_size": 1, "cp_size": 1, "sp_size": 1}
     for key, value in raw.items():
         if value is None:
             continue
@@ -41,6 +41,9 @@ def normalize(config: Any) -> dict[str, int] | None:
     if out["cp_size"] > 1:
         raise ValueError(f"parallelism_config.cp_size: context parallelism needs CUDA (ring attention over "
                          f"NCCL); set cp_size 1, got {out['cp_size']}")
+    if out.pop("sp_size") > 1:
+        raise ValueError("parallelism_config.sp_size: sequence parallelism (accelerate's, DeepSpeed Ulysses) is not "
+                         "supported; set sp_size 1 (tp_plan's sequence_parallel style splits norms along TP)")
     return out
 
 

@@ -58,16 +58,34 @@ def model_plan(model: torch.nn.Module, tp_plan: Any) -> dict[str, str]:
 
 
 def resolve(model: torch.nn.Module, plan: dict[str, str]) -> dict[str, str]:
-    """Module name -> style for every module a pattern matches ('*' one name part, as HF's plans)."""
-    patterns = [(re.compile(re.escape(p).replace(r"\*", r"[^.]+") + "$"), s) for p, s in plan.items()]
+    """Module name -> style for every module a pattern matches ('*' one name part, as HF's plans); in a
+    PEFT model (names under base_model.model.) the same patterns, and a LoRA layer's parts (lora_layers)."""
+    patterns = [(re.compile(r"(base_model\.model\.)?" + re.escape(p).replace(r"\*", r"[^.]+") + "$"), s)
+                for p, s in plan.items()]
     out = {}
-    for name, _ in model.named_modules():
+    for name, module in model.named_modules():
         for regex, style in patterns:
             if name and regex.match(name):
-                out[name] = style
+                out.update(lora_layers(name, module, style) if hasattr(module, "base_layer") else {name: style})
                 break
     if not out:
         raise ValueError(f"tp_plan: no module of {type(model).__name__} matches {sorted(plan)}")
+    return out
+
+
+def lora_layers(name: str, module: torch.nn.Module, style: str) -> dict[str, str]:
+    """A LoRA layer under TP (lora_B(lora_A(x)) added to the base's output): the base split as planned;
+    colwise: lora_B split the same way (its output adds to the base's shard), lora_A whole; rowwise:
+    lora_A split by rows (its input is the shard; its output reduced), lora_B whole."""
+    out = {f"{name}.base_layer": style}
+    split, whole = ("lora_B", "lora_A") if style.startswith("colwise") else ("lora_A", "lora_B")
+    for adapter in getattr(module, split, {}):
+        if style not in ("colwise", "colwise_gather_output", "colwise_rep", "rowwise", "rowwise_rep"):
+            break
+        out[f"{name}.{split}.{adapter}"], out[f"{name}.{whole}.{adapter}"] = style, "replicate"
+    if getattr(module, "lora_embedding_A", None) or (len(out) == 1 and getattr(module, split, None)):
+        raise ValueError(f"tp_plan: {name} is a LoRA {type(module).__name__} with style {style}, which tensor "
+                         "parallelism cannot split; leave it out of the adapter's target_modules")
     return out
 
 
@@ -82,9 +100,9 @@ def check_divisible(model: torch.nn.Module, modules: dict[str, str], tp: int) ->
         module = model.get_submodule(name)
         if style in ("replicate", "sequence_parallel"):
             continue
-        if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):  # e.g. a PEFT LoRA layer
+        if not isinstance(module, (torch.nn.Linear, torch.nn.Embedding)):
             raise ValueError(f"tp_plan: {name} is a {type(module).__name__}, not a Linear or Embedding; tensor "
-                             "parallelism splits plain layers only (LoRA with tp_size > 1 is not supported)")
+                             "parallelism splits those only")
         weight = module.weight
         dim = 0 if style.startswith("colwise") or isinstance(module, torch.nn.Embedding) else 1
         if weight.shape[dim] % tp:

@@ -20,8 +20,10 @@ LAYOUTS = {  # name -> (parallelism_config, per-device batch); 4 processes each
     "2x2": ({"dp_shard_size": 2, "tp_size": 2}, 4),
     "dp4": ({"dp_shard_size": 4}, 2),
     "tp4": ({"tp_size": 4}, 8),
+    "hsdp": ({"dp_replicate_size": 2, "dp_shard_size": 2}, 2),  # FSDP2 pairs, replicated
 }
 RESUMES = ("2x2", "dp4", "tp4")  # from 2x2's checkpoint-SAVE_AT
+BACK = ("dp4", "tp4", "single")  # 2x2 resumes from these layouts' checkpoint-SAVE_AT
 
 
 def tiny_llama(seed: int = 0):
@@ -31,6 +33,15 @@ def tiny_llama(seed: int = 0):
     return LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                         num_attention_heads=4, num_key_value_heads=4, vocab_size=128,
                                         max_position_embeddings=64))
+
+
+def tiny_lora(seed: int = 0):
+    """LoRA on every planned kind of layer: colwise (q, v, up) and rowwise (o, down)."""
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(tiny_llama(seed), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                                                       target_modules=["q_proj", "v_proj", "o_proj", "up_proj",
+                                                                       "down_proj"]))
 
 
 def token_rows(n: int = STEPS * GLOBAL_BATCH, length: int = 16) -> dict:
@@ -44,6 +55,7 @@ def lm_args(output_dir: str, parallelism=None, per_device: int = GLOBAL_BATCH, w
     base = dict(output_dir=output_dir, max_steps=STEPS, per_device_train_batch_size=per_device,
                 learning_rate=3e-3, max_grad_norm=1.0, logging_steps=1, save_steps=SAVE_AT, seed=3,
                 disable_tqdm=True, report_to="none", scaling={"num_workers": workers},
+                include_num_input_tokens_seen="all",
                 parallelism_config=parallelism)
     if parallelism is not None:
         base["distributed"] = {"strategy": "fsdp"}
@@ -60,7 +72,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank: int, root: str, port: int) -> None:
+def _rank(rank: int, root: str, port: int, single: str) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="4", LOCAL_WORLD_SIZE="4")
     torch.set_num_threads(1)
     import torch.distributed as dist
@@ -72,24 +84,31 @@ def _rank(rank: int, root: str, port: int) -> None:
     runs = [(name, name, None) for name in LAYOUTS]
     first = os.path.join(root, "2x2", f"checkpoint-{SAVE_AT}")
     runs += [(f"resume-{name}", name, first) for name in RESUMES]
+    runs += [(f"back-{name}", "2x2", os.path.join(single if name == "single" else os.path.join(root, name),
+                                                  f"checkpoint-{SAVE_AT}")) for name in BACK]
+    runs.append(("lora-2x2", "2x2", None))
     out = {}
     for run, layout, resume in runs:
         parallelism, per_device = LAYOUTS[layout]
         args = lm_args(os.path.join(root, run), parallelism, per_device, workers=4)
-        trainer = Trainer(tiny_llama(), args, train_dataset=token_rows())
+        trainer = Trainer(tiny_lora() if run.startswith("lora") else tiny_llama(), args, train_dataset=token_rows())
         loop.train(trainer, resume)
         out[run] = _losses(trainer)
+        if run in LAYOUTS:
+            trainer.save_model(os.path.join(root, run, "final"))  # a collective, as at the end of raytrain.run
+            out[f"{run}-tokens"] = trainer.state.num_input_tokens_seen
+            out[f"{run}-eval"] = trainer.evaluate(eval_dataset=token_rows(16))["eval_loss"]
     dist.destroy_process_group()
     with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
 
 
 @pytest.fixture(scope="module")
-def layouts(tmp_path_factory):
+def layouts(tmp_path_factory, one_process):
     import torch.multiprocessing as mp
 
     root = tmp_path_factory.mktemp("tp")
-    mp.spawn(_rank, args=(str(root), _free_port()), nprocs=4, join=True)
+    mp.spawn(_rank, args=(str(root), _free_port(), str(one_process[0] / "single")), nprocs=4, join=True)
     return root, [json.loads((root / f"rank{r}.json").read_text()) for r in range(4)]
 
 
@@ -101,6 +120,9 @@ def one_process(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp1")
     trainer = Trainer(tiny_llama(), lm_args(str(root / "single")), train_dataset=token_rows())
     trainer.train()
+    lora = Trainer(tiny_lora(), lm_args(str(root / "lora")), train_dataset=token_rows())
+    lora.train()
+    trainer.lora = lora
     return root, trainer
 
 
@@ -114,16 +136,25 @@ def test_layouts_match_one_process_and_resume_across_layouts(layouts, one_proces
     for results in per_rank:  # every rank logs the loss of the whole global batch
         assert results == per_rank[0]
     results = per_rank[0]
-    for name in LAYOUTS:
+    single = one_process[1]
+    eval_loss = single.evaluate(eval_dataset=token_rows(16))["eval_loss"]
+    for name in LAYOUTS:  # the logged loss, tokens seen and evaluation: reduced over data-parallel ranks only
         assert results[name] == pytest.approx(ref, abs=1e-5), name
+        assert results[f"{name}-tokens"] == single.state.num_input_tokens_seen == STEPS * GLOBAL_BATCH * 16
+        assert results[f"{name}-eval"] == pytest.approx(eval_loss, abs=1e-5), name
     # (a resumed run's history starts with the checkpoint's.) 2x2 -> 2x2 is the same maths: bit for bit;
     # other layouts within float tolerance
     assert results["resume-2x2"] == results["2x2"]
     for name in RESUMES:
         assert results[f"resume-{name}"] == pytest.approx(ref, abs=1e-5), name
+    for name in BACK:  # and back: 2x2 from dp4's, tp4's and one process's checkpoint
+        assert results[f"back-{name}"] == pytest.approx(ref, abs=1e-5), name
     single = Trainer(tiny_llama(), lm_args(str(one_process[0] / "resumed")), train_dataset=token_rows())
     single.train(resume_from_checkpoint=str(root / "2x2" / f"checkpoint-{SAVE_AT}"))
     assert _losses(single) == pytest.approx(ref, abs=1e-5)
+
+    lora = _losses(one_process[1].lora)  # LoRA on the TP model: the adapter's parts split or whole as planned
+    assert lora[-1] < lora[0] and results["lora-2x2"] == pytest.approx(lora, abs=1e-5)
 
     manifest = json.loads((root / "2x2" / f"checkpoint-{SAVE_AT}" / "manifest.json").read_text())
     assert manifest["parallelism"] == {"dp_replicate_size": 1, "dp_shard_size": 2, "tp_size": 2}
@@ -135,9 +166,8 @@ def test_every_layout_saves_what_from_pretrained_loads(layouts, one_process):
 
     root, _ = layouts
     ref = one_process[1].model.state_dict()
-    for name in LAYOUTS:
-        model, info = LlamaForCausalLM.from_pretrained(str(root / name / f"checkpoint-{STEPS}"),
-                                                       output_loading_info=True)
+    for name, folder in [(n, f) for n in LAYOUTS for f in (f"checkpoint-{STEPS}", "final")]:
+        model, info = LlamaForCausalLM.from_pretrained(str(root / name / folder), output_loading_info=True)
         assert not info["missing_keys"] and not info["unexpected_keys"], (name, info)
         for key, value in model.state_dict().items():
             torch.testing.assert_close(value, ref[key], rtol=1e-4, atol=1e-5)
@@ -149,6 +179,7 @@ def test_every_layout_saves_what_from_pretrained_loads(layouts, one_process):
     ({"tp_size": 3}, {}, "parallelism_config: dp_replicate_size 1 x tp_size 3 must divide the world size"),
     ({"tp_size": 2, "cp_size": 2}, {}, "parallelism_config.cp_size: context parallelism needs CUDA"),
     ({"tp_size": 2, "pp_size": 2}, {}, "parallelism_config: unknown field(s) ['pp_size']"),
+    ({"sp_size": 2}, {}, "parallelism_config.sp_size: sequence parallelism"),
     ({"tp_size": 0}, {}, "parallelism_config.tp_size: an integer >= 1, got 0"),
     ({"tp_size": 2}, {"distributed": {"strategy": "deepspeed"}}, "need distributed.strategy fsdp (FSDP2), not deepspeed"),
     ({"tp_size": 2}, {"distributed": {"strategy": "ddp"}}, "need distributed.strategy fsdp (or auto), not ddp"),
@@ -173,6 +204,10 @@ def test_auto_picks_fsdp_and_a_parallelism_config_object_is_read_by_attribute(tm
     (tmp_path / "run.yaml").write_text(f"output_dir: {tmp_path}\nmax_steps: 1\nscaling: {{num_workers: 4}}\n")
     args = TrainingArguments.from_yaml(tmp_path / "run.yaml", ["parallelism_config.tp_size=2"])
     assert args.parallelism_config["tp_size"] == 2 and args.distributed.strategy == "fsdp"
+    accelerate = pytest.importorskip("accelerate")
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=1, scaling={"num_workers": 4},
+                             parallelism_config=accelerate.ParallelismConfig(dp_shard_size=2, tp_size=2))
+    assert args.parallelism_config == {"dp_replicate_size": 1, "dp_shard_size": 2, "tp_size": 2, "cp_size": 1}
 
 
 def test_tp_plan_errors_name_the_option():
@@ -213,3 +248,15 @@ def test_ray_2x2_worker_sigkilled_resumes_bit_exactly(ray_cluster, layouts, tmp_
     ours, ref = load_weights(str(out / f"checkpoint-{STEPS}")), load_weights(str(root / "2x2" / f"checkpoint-{STEPS}"))
     assert ours.keys() == ref.keys() and all(torch.equal(ours[k], ref[k]) for k in ref)
     assert _losses(trainer) == per_rank[0]["2x2"]
+
+
+def test_the_world_size_at_setup_and_the_node_size_are_checked_again():
+    from raytrain.strategies.mesh import ParallelDims
+
+    dims = ParallelDims.resolve({"dp_shard_size": -1, "tp_size": 2}, 8)
+    assert (dims.dp_shard, dims.dp, dims.dp_rank(5), dims.tp_rank(5)) == (4, 4, 2, 1)
+    with pytest.raises(ValueError, match=r"^parallelism_config: dp_replicate_size 1 x dp_shard_size 2 x tp_size 2 = 4 "
+                                         r"must equal the world size \(scaling.num_workers\) 2$"):
+        ParallelDims.resolve({"dp_shard_size": 2, "tp_size": 2}, 2)
+    with pytest.raises(ValueError, match=r"^parallelism_config.tp_size: 4 must divide the workers per node \(2\)"):
+        ParallelDims.resolve({"tp_size": 4}, 4).check_local(2)
