@@ -122,6 +122,17 @@ def apply_tp(model: torch.nn.Module, tp_mesh, tp_plan: Any) -> dict[str, str]:
     return modules
 
 
+def unfuse_mixed_groups(optimizer) -> None:
+    """A param group holding DTensors of different meshes, or DTensors and plain tensors (tp alone: a
+    replicated LayerNorm beside a split bias), cannot step in one fused / foreach kernel: per tensor."""
+    for group in optimizer.param_groups:
+        kinds = {getattr(p, "device_mesh", None) for p in group["params"]}
+        if len(kinds) > 1:
+            for flag in ("fused", "foreach"):
+                if group.get(flag):
+                    group[flag] = False
+
+
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float | None) -> torch.Tensor:
     """The 2-norm of all gradients across the mesh, exact, and clipping by it: DTensors on different
     meshes (TP weights on dp x tp, the rest on dp only) cannot share a foreach op, so per mesh and layout."""
