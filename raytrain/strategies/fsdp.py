@@ -91,6 +91,8 @@ class FSDPStrategy(TorchDistributedMixin, Strategy):
                 fully_shard(block, **kwargs)
             fully_shard(model, **kwargs)
         self.optimizer = optimizer_factory(model)
+        if self.dims.tp > 1:
+            tensor_parallel.unfuse_mixed_groups(self.optimizer)
         self.model = torch.compile(model) if self.args.torch_compile else model
         return self.model, self.optimizer
 
@@ -197,6 +199,11 @@ class FSDPStrategy(TorchDistributedMixin, Strategy):
 
     def optimizer_state_dict(self):
         return None  # saved sharded, by save_sharded
+
+    def load_optimizer_state(self, state):
+        super().load_optimizer_state(state)
+        if self.dims.tp > 1:  # the saved param groups bring back their fused / foreach flags
+            tensor_parallel.unfuse_mixed_groups(self.optimizer)
 
     def load_optimizer_state_dict(self, state):
         """A full torch optimizer state_dict (optimizer.pt of a DDP or single-process run), re-sharded."""

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-#: HF's style names -> (torch ParallelStyle factory, the dim of the weight it splits: 0 rows, 1 columns).
-_STYLES = ("colwise", "rowwise", "colwise_rep", "colwise_gather_output", "rowwise_rep", "embedding_rowwise",
-           "sequence_parallel", "replicate")
+#: HF's style names this supports, as transformers' distributed/tensor_parallel.py defines them.
+_STYLES = ("colwise", "rowwise", "colwise_rep", "colwise_gather_output", "rowwise_rep", "rowwise_split_input",
+           "embedding_rowwise", "sequence_parallel", "replicate")
 
 
 def _style(name: str):
@@ -27,10 +27,10 @@ def _style(name: str):
         return ColwiseParallel(output_layouts=Replicate())
     if name == "rowwise":
         return RowwiseParallel()
-    if name in ("rowwise_rep", "embedding_rowwise"):  # the input (ids, or a replicated activation) is whole
+    if name in ("rowwise_rep", "rowwise_split_input", "embedding_rowwise"):  # the input (ids, or a replicated activation) is whole
         return RowwiseParallel(input_layouts=Replicate())
     if name == "sequence_parallel":
-        return SequenceParallel()
+        return SequenceParallel(use_local_output=True)
     return None  # replicate: left as it is
 
 
@@ -80,7 +80,8 @@ def lora_layers(name: str, module: torch.nn.Module, style: str) -> dict[str, str
     out = {f"{name}.base_layer": style}
     split, whole = ("lora_B", "lora_A") if style.startswith("colwise") else ("lora_A", "lora_B")
     for adapter in getattr(module, split, {}):
-        if style not in ("colwise", "colwise_gather_output", "colwise_rep", "rowwise", "rowwise_rep"):
+        if style not in ("colwise", "colwise_gather_output", "colwise_rep", "rowwise", "rowwise_rep",
+                         "rowwise_split_input"):
             break
         out[f"{name}.{split}.{adapter}"], out[f"{name}.{whole}.{adapter}"] = style, "replicate"
     if getattr(module, "lora_embedding_A", None) or (len(out) == 1 and getattr(module, split, None)):
@@ -119,6 +120,17 @@ def apply_tp(model: torch.nn.Module, tp_mesh, tp_plan: Any) -> dict[str, str]:
     styles = {name: _style(style) for name, style in modules.items()}
     parallelize_module(model, tp_mesh, {k: v for k, v in styles.items() if v is not None})
     return modules
+
+
+def unfuse_mixed_groups(optimizer) -> None:
+    """A param group holding DTensors of different meshes, or DTensors and plain tensors (tp alone: a
+    replicated LayerNorm beside a split bias), cannot step in one fused / foreach kernel: per tensor."""
+    for group in optimizer.param_groups:
+        kinds = {getattr(p, "device_mesh", None) for p in group["params"]}
+        if len(kinds) > 1:
+            for flag in ("fused", "foreach"):
+                if group.get(flag):
+                    group[flag] = False
 
 
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float | None) -> torch.Tensor:

@@ -44,6 +44,22 @@ def tiny_lora(seed: int = 0):
                                                                        "down_proj"]))
 
 
+#: A model with no plan of its own (the digits MLP, LayerNorms between its Linears): a plan by name.
+MLP_PLAN = {"body.0": "colwise_gather_output", "body.4": "colwise_gather_output", "head": "replicate"}  # 10 classes
+
+
+def mlp_run(output_dir: str, workers: int = 1):
+    from raytrain import Trainer
+    from tests.strategies._helpers import digits_model
+
+    rng = np.random.default_rng(0)
+    pixels = rng.random((STEPS * 32, 64), dtype=np.float32)
+    rows = {"pixels": pixels, "labels": pixels[:, :10].argmax(1)}  # learnable
+    args = lm_args(output_dir, {"tp_size": 4} if workers > 1 else None, 32, workers=workers, tp_plan=MLP_PLAN,
+                   include_num_input_tokens_seen="no")
+    return Trainer(digits_model(), args, train_dataset=rows)
+
+
 def token_rows(n: int = STEPS * GLOBAL_BATCH, length: int = 16) -> dict:
     """Counting sequences (random start and stride): something to learn in 10 steps."""
     rng = np.random.default_rng(0)
@@ -98,6 +114,9 @@ def _rank(rank: int, root: str, port: int, single: str) -> None:
             trainer.save_model(os.path.join(root, run, "final"))  # a collective, as at the end of raytrain.run
             out[f"{run}-tokens"] = trainer.state.num_input_tokens_seen
             out[f"{run}-eval"] = trainer.evaluate(eval_dataset=token_rows(16))["eval_loss"]
+    trainer = mlp_run(os.path.join(root, "mlp-tp4"), workers=4)
+    loop.train(trainer, None)
+    out["mlp-tp4"] = _losses(trainer)
     dist.destroy_process_group()
     with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
@@ -123,6 +142,8 @@ def one_process(tmp_path_factory):
     lora = Trainer(tiny_lora(), lm_args(str(root / "lora")), train_dataset=token_rows())
     lora.train()
     trainer.lora = lora
+    trainer.mlp = mlp_run(str(root / "mlp"))
+    trainer.mlp.train()
     return root, trainer
 
 
@@ -155,6 +176,9 @@ def test_layouts_match_one_process_and_resume_across_layouts(layouts, one_proces
 
     lora = _losses(one_process[1].lora)  # LoRA on the TP model: the adapter's parts split or whole as planned
     assert lora[-1] < lora[0] and results["lora-2x2"] == pytest.approx(lora, abs=1e-5)
+
+    mlp = _losses(one_process[1].mlp)  # tp_plan by name for a model without one
+    assert mlp[-1] < mlp[0] and results["mlp-tp4"] == pytest.approx(mlp, abs=1e-5)
 
     manifest = json.loads((root / "2x2" / f"checkpoint-{SAVE_AT}" / "manifest.json").read_text())
     assert manifest["parallelism"] == {"dp_replicate_size": 1, "dp_shard_size": 2, "tp_size": 2}
