@@ -1,6 +1,7 @@
-"""raytrain.trl's SFT and DPO scripts on 2 Ray Train workers (DDP), only scaling added: each rank prepares the same
-data on its own (no rank-0 barrier), TRL's metrics are reduced over the ranks, and the per-step losses and metrics
-are trl 1.16's in one process on the same global batches."""
+"""raytrain.trl's SFT and DPO scripts on 2 Ray Train workers (DDP, FSDP2, DeepSpeed ZeRO-3), only scaling and the
+backend added: every rank gets the data prepared where the trainer was built (no rank-0 barrier), TRL's metrics are
+reduced over the ranks, and the per-step losses and metrics are trl 1.16's in one process on the same global
+batches."""
 
 from __future__ import annotations
 
@@ -22,14 +23,20 @@ def _close(a, b, tol=1e-5):
             assert x[k] == pytest.approx(y[k], abs=tol, rel=tol), (k, x, y)
 
 
+BACKENDS = {"ddp": {"strategy": "ddp"},
+            "fsdp2": {"strategy": "fsdp", "fsdp": {"wrap_classes": ["LlamaDecoderLayer"]}},
+            "zero3": {"strategy": "deepspeed", "deepspeed": {"zero_optimization": {"stage": 3}}}}
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind", ["sft", "dpo"])
-def test_trl_script_on_two_workers_matches_trl_in_one_process(ray_cluster, tmp_path, kind):
+@pytest.mark.parametrize("kind, backend", [("sft", "ddp"), ("dpo", "ddp"), ("sft", "fsdp2"), ("dpo", "zero3")])
+def test_trl_script_on_two_workers_matches_trl_in_one_process(ray_cluster, tmp_path, kind, backend):
     make, keys = (jobs.sft_trainer, jobs.STEP_KEYS) if kind == "sft" else (jobs.dpo_trainer, jobs.DPO_KEYS)
     theirs = make("trl", str(tmp_path / "trl"), max_steps=3)
     theirs.train()
     ours = make("rt", str(tmp_path / "rt"), max_steps=3, per_device_train_batch_size=2,
-                scaling={"num_workers": 2}, callbacks=[jobs.RankMarker(str(tmp_path / "ranks"))])
+                scaling={"num_workers": 2}, distributed=BACKENDS[backend],
+                callbacks=[jobs.RankMarker(str(tmp_path / "ranks"))])
     ours.train()
     assert sorted(os.listdir(tmp_path / "ranks")) == ["rank-0-of-2", "rank-1-of-2"]
     _close(jobs.steps(ours, keys), jobs.steps(theirs, keys))
