@@ -249,3 +249,14 @@ def test_the_cli_knows_trl_fields_without_importing_trl():
     from raytrain.cli.trl import TRL_FIELDS
 
     assert TRL_FIELDS == set(rt.SFTConfig.TRL_FIELDS) | set(rt.DPOConfig.TRL_FIELDS)
+
+
+def test_without_trl_the_import_names_the_package_in_one_line():
+    import subprocess
+    import sys
+
+    code = "import sys; sys.modules['trl'] = None; import raytrain.trl"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == (
+        "ImportError: raytrain.trl needs trl>=1.16 (trl is missing): pip install 'raytrain[trl]'")
