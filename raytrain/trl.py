@@ -23,8 +23,8 @@ def _post_init(kind: str, own: tuple[str, ...]):
     def __post_init__(self) -> None:
         if self.bf16 is None:  # TRL's default: bf16 unless fp16 (autocast on the CPU too)
             object.__setattr__(self, "bf16", not self.fp16)
+        normalize(self)  # first: deprecated names (bfd-requeue) become current ones
         _trl.check_choices(self, own)
-        normalize(self)
         TrainingArguments.__post_init__(self)
     return __post_init__
 

@@ -205,9 +205,22 @@ def test_sigkill_during_a_save_then_resume_is_bit_exact_and_the_output_loads(tmp
     assert AutoTokenizer.from_pretrained(str(tmp_path / "final")).chat_template == resumed.processing_class.chat_template
 
 
-@pytest.mark.parametrize("config", ["sft", "dpo"])
+def test_the_cli_picks_dpo_for_examples_dpo_yaml():
+    """examples/dpo.yaml names beta (DPO's own): a DPOConfig and a DPOTrainer (its run is the SFT one's path)."""
+    import raytrain.trl as rt
+    from raytrain.cli.trl import trainer_for, trl_arguments
+
+    import os
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    args = trl_arguments(os.path.join(root, "examples", "dpo.yaml"), ["output_dir=x"], "beta")
+    assert type(args) is rt.DPOConfig and args.beta == 0.1 and args.loss_type == ["sigmoid"]
+    assert trainer_for(args) is rt.DPOTrainer
+
+
+@pytest.mark.parametrize("config", ["sft"])
 def test_the_cli_examples_run_and_their_adapter_loads(tmp_path, config):
-    """`python -m raytrain.run --config examples/{sft,dpo}.yaml` (shortened): TRL's fields pick the TRL trainer."""
+    """`python -m raytrain.run --config examples/sft.yaml` (shortened): TRL's fields pick the TRL trainer."""
     import json
     import os
     import subprocess
@@ -236,3 +249,14 @@ def test_the_cli_knows_trl_fields_without_importing_trl():
     from raytrain.cli.trl import TRL_FIELDS
 
     assert TRL_FIELDS == set(rt.SFTConfig.TRL_FIELDS) | set(rt.DPOConfig.TRL_FIELDS)
+
+
+def test_without_trl_the_import_names_the_package_in_one_line():
+    import subprocess
+    import sys
+
+    code = "import sys; sys.modules['trl'] = None; import raytrain.trl"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == (
+        "ImportError: raytrain.trl needs trl>=1.16 (trl is missing): pip install 'raytrain[trl]'")

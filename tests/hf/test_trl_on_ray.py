@@ -1,6 +1,7 @@
-"""raytrain.trl's SFT and DPO scripts on 2 Ray Train workers (DDP), only scaling added: each rank prepares the same
-data on its own (no rank-0 barrier), TRL's metrics are reduced over the ranks, and the per-step losses and metrics
-are trl 1.16's in one process on the same global batches."""
+"""raytrain.trl's SFT and DPO scripts on 2 Ray Train workers (DDP, FSDP2, DeepSpeed ZeRO-3), only scaling and the
+backend added: every rank gets the data prepared where the trainer was built (no rank-0 barrier), TRL's metrics are
+reduced over the ranks, and the per-step losses and metrics are trl 1.16's in one process on the same global
+batches."""
 
 from __future__ import annotations
 
@@ -22,14 +23,50 @@ def _close(a, b, tol=1e-5):
             assert x[k] == pytest.approx(y[k], abs=tol, rel=tol), (k, x, y)
 
 
+BACKENDS = {"ddp": {"strategy": "ddp"},
+            "fsdp2": {"strategy": "fsdp", "fsdp": {"wrap_classes": ["LlamaDecoderLayer"]}},
+            "zero3": {"strategy": "deepspeed", "deepspeed": {"zero_optimization": {"stage": 3}}}}
+
+
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind", ["sft", "dpo"])
-def test_trl_script_on_two_workers_matches_trl_in_one_process(ray_cluster, tmp_path, kind):
+@pytest.mark.parametrize("kind, backend", [("sft", "ddp"), ("sft", "fsdp2"), ("dpo", "zero3")])
+def test_trl_script_on_two_workers_matches_trl_in_one_process(ray_cluster, tmp_path, kind, backend):
     make, keys = (jobs.sft_trainer, jobs.STEP_KEYS) if kind == "sft" else (jobs.dpo_trainer, jobs.DPO_KEYS)
     theirs = make("trl", str(tmp_path / "trl"), max_steps=3)
     theirs.train()
     ours = make("rt", str(tmp_path / "rt"), max_steps=3, per_device_train_batch_size=2,
-                scaling={"num_workers": 2}, callbacks=[jobs.RankMarker(str(tmp_path / "ranks"))])
+                scaling={"num_workers": 2}, distributed=BACKENDS[backend],
+                callbacks=[jobs.RankMarker(str(tmp_path / "ranks"))])
     ours.train()
     assert sorted(os.listdir(tmp_path / "ranks")) == ["rank-0-of-2", "rank-1-of-2"]
     _close(jobs.steps(ours, keys), jobs.steps(theirs, keys))
+
+
+@pytest.mark.skipif(not os.environ.get("RAYTRAIN_MULTINODE_TESTS"),
+                    reason="a longer fault run (two Ray runs): set RAYTRAIN_MULTINODE_TESTS=1")
+@pytest.mark.timeout(500)
+def test_sft_on_two_workers_resumes_a_killed_rank_bit_exact(ray_cluster, tmp_path):
+    """Rank 1 is SIGKILLed after step 3: Ray restarts the group, which resumes from checkpoint-2 and ends with the
+    uninterrupted run's losses, TRL metrics (num_tokens too) and adapter, bit for bit."""
+    import signal
+
+    import torch
+    from safetensors.torch import load_file
+
+    from tests.strategies._helpers import FaultInjector
+
+    runs = {}
+    for name, faults in (("whole", []), ("killed", [FaultInjector(1, 3, signal.SIGKILL)])):
+        out = tmp_path / name
+        trainer = jobs.sft_trainer("rt", str(out), max_steps=6, save_strategy="steps", save_steps=2,
+                                   per_device_train_batch_size=2, callbacks=faults,
+                                   scaling={"num_workers": 2, "max_failures": 1,
+                                            "storage_path": str(tmp_path / f"ray_{name}")})
+        trainer.train()
+        runs[name] = (trainer, load_file(os.path.join(trainer.save_model(str(out / "final")),
+                                                      "adapter_model.safetensors")))
+    assert [int(s) for s in (tmp_path / "killed" / "starts.txt").read_text().split()] == [0, 2]
+    killed, whole = jobs.steps(runs["killed"][0]), jobs.steps(runs["whole"][0])
+    assert killed == whole, [(a, b) for a, b in zip(killed, whole) if a != b]
+    want, got = runs["whole"][1], runs["killed"][1]
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)

@@ -9,9 +9,6 @@ from transformers import TrainerCallback
 
 from ...callbacks.base import ExportableState
 
-_STATE = "TRLMetricsState"
-
-
 def as_config(config_class: type, args: Any, model: Any, suffix: str) -> Any:
     """TRL's rule: no args -> `<model name>-SFT`; a plain TrainingArguments -> the config with its values."""
     if args is None:
@@ -61,20 +58,33 @@ def setup_peft(model: Any, peft_config: Any, args: Any, added_tokens: list[int])
 
 
 class TRLMetricsState(TrainerCallback, ExportableState):
-    """Carries the trainer's TRL counters (num_tokens) in trainer_state.json, so a resumed run logs them on."""
+    """Holds TRL's num_tokens counter, so that trainer_state.json carries it and a resumed run (in-process or a
+    restarted Ray worker group) logs on from it; the trainer reads and writes it as `_total_train_tokens`."""
 
-    def __init__(self, trainer: Any = None):
-        self.trainer = trainer
+    def __init__(self):
+        self.total_train_tokens = 0
 
     def state(self) -> dict:
-        return {"args": {}, "attributes": {"total_train_tokens": int(self.trainer._total_train_tokens)}}
+        return {"args": {}, "attributes": {"total_train_tokens": int(self.total_train_tokens)}}
 
 
 class TRLMethods:
     """TRL's `log` (its metrics averaged, eval_-prefixed in evaluation) and the tensor-parallel size (1 here)."""
 
     def __init__(self, *args: Any, callbacks: list | None = None, **kwargs: Any):
-        super().__init__(*args, callbacks=[*(callbacks or []), TRLMetricsState(self)], **kwargs)
+        super().__init__(*args, callbacks=[*(callbacks or []), TRLMetricsState()], **kwargs)
+
+    @property
+    def _total_train_tokens(self) -> int:
+        return self._trl_state().total_train_tokens
+
+    @_total_train_tokens.setter
+    def _total_train_tokens(self, value: int) -> None:
+        self._trl_state().total_train_tokens = value
+
+    def _trl_state(self) -> TRLMetricsState:
+        # looked up each time: a resume may rebuild the callbacks (restore_callback_states_from_checkpoint)
+        return next(cb for cb in self.callback_handler.callbacks if isinstance(cb, TRLMetricsState))
 
     def get_tp_size(self) -> int:
         return 1
@@ -91,11 +101,3 @@ class TRLMethods:
         logs.update(metrics)
         super().log(logs, start_time)
         self._metrics[mode].clear()
-
-    def _load_callback_state(self) -> None:
-        super()._load_callback_state()
-        saved = self.state.stateful_callbacks.get(_STATE) or {}
-        self._total_train_tokens = int(saved.get("attributes", {}).get("total_train_tokens", 0))
-        for cb in self.callback_handler.callbacks:
-            if isinstance(cb, TRLMetricsState):
-                cb.trainer = self
