@@ -42,8 +42,7 @@ def test_trl_script_on_two_workers_matches_trl_in_one_process(ray_cluster, tmp_p
     _close(jobs.steps(ours, keys), jobs.steps(theirs, keys))
 
 
-@pytest.mark.skipif(not os.environ.get("RAYTRAIN_MULTINODE_TESTS"),
-                    reason="a longer fault run (two Ray runs): set RAYTRAIN_MULTINODE_TESTS=1")
+@pytest.mark.long  # two Ray runs: by default test_trl.py's in-process SIGKILL, driver/test_launch.py's Ray SIGKILL
 @pytest.mark.timeout(500)
 def test_sft_on_two_workers_resumes_a_killed_rank_bit_exact(ray_cluster, tmp_path):
     """Rank 1 is SIGKILLed after step 3: Ray restarts the group, which resumes from checkpoint-2 and ends with the
