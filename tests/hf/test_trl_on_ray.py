@@ -44,7 +44,8 @@ def test_trl_script_on_two_workers_matches_trl_in_one_process(ray_cluster, tmp_p
 
 @pytest.mark.long  # two Ray runs: by default test_trl.py's in-process SIGKILL, driver/test_launch.py's Ray SIGKILL
 @pytest.mark.timeout(500)
-def test_sft_on_two_workers_resumes_a_killed_rank_bit_exact(ray_cluster, tmp_path):
+@pytest.mark.parametrize("kind", ["sft", "dpo"])
+def test_trl_on_two_workers_resumes_a_killed_rank_bit_exact(ray_cluster, tmp_path, kind):
     """Rank 1 is SIGKILLed after step 3: Ray restarts the group, which resumes from checkpoint-2 and ends with the
     uninterrupted run's losses, TRL metrics (num_tokens too) and adapter, bit for bit."""
     import signal
@@ -57,15 +58,16 @@ def test_sft_on_two_workers_resumes_a_killed_rank_bit_exact(ray_cluster, tmp_pat
     runs = {}
     for name, faults in (("whole", []), ("killed", [FaultInjector(1, 3, signal.SIGKILL)])):
         out = tmp_path / name
-        trainer = jobs.sft_trainer("rt", str(out), max_steps=6, save_strategy="steps", save_steps=2,
-                                   per_device_train_batch_size=2, callbacks=faults,
-                                   scaling={"num_workers": 2, "max_failures": 1,
-                                            "storage_path": str(tmp_path / f"ray_{name}")})
+        make = jobs.sft_trainer if kind == "sft" else jobs.dpo_trainer
+        trainer = make("rt", str(out), max_steps=6, save_strategy="steps", save_steps=2,
+                       per_device_train_batch_size=2, callbacks=faults,
+                       scaling={"num_workers": 2, "max_failures": 1, "storage_path": str(tmp_path / f"ray_{name}")})
         trainer.train()
         runs[name] = (trainer, load_file(os.path.join(trainer.save_model(str(out / "final")),
                                                       "adapter_model.safetensors")))
     assert [int(s) for s in (tmp_path / "killed" / "starts.txt").read_text().split()] == [0, 2]
-    killed, whole = jobs.steps(runs["killed"][0]), jobs.steps(runs["whole"][0])
+    keys = jobs.STEP_KEYS if kind == "sft" else jobs.DPO_KEYS
+    killed, whole = jobs.steps(runs["killed"][0], keys), jobs.steps(runs["whole"][0], keys)
     assert killed == whole, [(a, b) for a, b in zip(killed, whole) if a != b]
     want, got = runs["whole"][1], runs["killed"][1]
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
