@@ -20,6 +20,7 @@ from ..config.sections import ConfigError
 from ..data.build import blocks_for_workers
 from ..callbacks.state import TrainerState, TrainOutput
 from ..worker.ray_worker import keeps_best
+from .capacity import check_capacity
 from .progress import driver_progress
 from .torch_trainer import build_torch_trainer, fit, scaling_config
 
@@ -161,6 +162,7 @@ def run_distributed(trainer, resume_from_checkpoint=None) -> TrainOutput:
 
     args = trainer.args
     ensure_ray()
+    check_capacity(args.scaling)
     check_storage(args.scaling)
     worker_args = copy.deepcopy(args)
     # Ray Train moves workers into the run's directory: every path they get must be absolute.
