@@ -78,7 +78,8 @@ def bench_saves(tmp: str, mb: int, steps: int, rounds: int, strategies: list[str
 # ---------------------------------------------------------------- recovery
 
 
-def bench_recovery() -> dict:
+def bench_recovery(elastic: bool = False) -> dict:
+    """elastic: num_workers [1, 2], and no node replaces the lost one (the group goes on with one worker)."""
     sim = SimCluster()
     try:
         sim.start_head()
@@ -87,14 +88,14 @@ def bench_recovery() -> dict:
         fresh_marks = os.path.join(sim.storage, "fresh.marks")
         start = time.time()
         proc = sim.drive({"result": os.path.join(sim.base, "fresh.json"), "output_dir": os.path.join(sim.local, "f"),
-                          "storage": os.path.join(sim.storage, "f"), "marks": fresh_marks})
+                          "storage": os.path.join(sim.storage, "f"), "marks": fresh_marks, "elastic": elastic})
         proc.wait(600)
         cold = _marks(fresh_marks)[0][0] - start
         flag = os.path.join(sim.storage, "lose")
         lost_marks = os.path.join(sim.storage, "lost.marks")
         proc = sim.drive({"result": os.path.join(sim.base, "lost.json"), "output_dir": os.path.join(sim.local, "l"),
                           "storage": os.path.join(sim.storage, "l"), "max_failures": 1, "marks": lost_marks,
-                          "pause": {"rank": 1, "step": 12, "flag": flag}})
+                          "pause": {"rank": 1, "step": 12, "flag": flag}, "elastic": elastic})
         while not os.path.exists(flag):
             if proc.poll() is not None:
                 raise RuntimeError(f"the run ended before its pause; see {sim.base}")
@@ -103,7 +104,8 @@ def bench_recovery() -> dict:
             ns = f.read()
         lost_at = time.time()
         sim.lose(ns)
-        sim.add_node("c")
+        if not elastic:
+            sim.add_node("c")
         proc.wait(600)
         with open(os.path.join(sim.base, "lost.json")) as f:
             result = json.load(f)
@@ -144,9 +146,12 @@ def main() -> None:
                       f"step {m[mode]['median'] * 1e3:.1f} vs {m['none']['median'] * 1e3:.1f} ms "
                       f"({m[mode]['median'] / m['none']['median']:.2f}x), mean {m[mode]['mean'] * 1e3:.1f} vs "
                       f"{m['none']['mean'] * 1e3:.1f} ms ({m[mode]['mean'] / m['none']['mean']:.2f}x)")
-    if "recovery" in parts:
-        r = bench_recovery()
-        print(f"recovery: rank 1's node lost after step 12, resumed at step {r['resumed_at_step']}: "
+    for part in ("recovery", "elastic"):
+        if part not in parts:
+            continue
+        r = bench_recovery(elastic=part == "elastic")
+        lost = "lost, none replaces it, one worker goes on" if part == "elastic" else "lost"
+        print(f"{part}: rank 1's node {lost} after step 12, resumed at step {r['resumed_at_step']}: "
               f"{r['loss_to_first_step_s']:.1f} s from the loss to the first step after it, against "
               f"{r['cold_start_to_first_step_s']:.1f} s from a fresh run's start to its first step "
               f"({r['loss_to_first_step_s'] / r['cold_start_to_first_step_s']:.2f}x)")
