@@ -145,5 +145,5 @@ class WaitWatch:
             ray.get(self._controller.abort.remote(), timeout=5)
         except ray.exceptions.GetTimeoutError:
             ray.kill(self._controller, no_restart=True)
-        except Exception:  # noqa: BLE001 - the controller exits as it aborts
-            pass
+        except Exception as e:  # noqa: BLE001 - the controller exits as it aborts
+            logger.debug("abort: %s", e)
