@@ -1,6 +1,6 @@
 """Distributed checkpoints and recovery on Ray: what a save costs the step, what a lost node costs the run.
 
-    python benchmarks/distributed.py [--mb 32] [--steps 40] [--rounds 2] [--parts saves,recovery]
+    python benchmarks/distributed.py [--mb 32] [--steps 40] [--rounds 2] [--parts saves,recovery,elastic]
                                      [--strategies ddp,fsdp,deepspeed]
 
   saves:    2 Ray workers (DDP, FSDP2, ZeRO-2), a checkpoint every 10 steps, synchronous and in the
@@ -11,6 +11,8 @@
             own disks, needs root): rank 1's node is lost after step 12 of the digits job and a new
             node joins; prints the seconds from the loss to the first step the restarted group ends,
             against the seconds from the driver's start to the first step of a fresh run.
+  elastic:  the same with num_workers [1, 2] and no node replacing the lost one: the seconds from the
+            loss to the first step of the one worker left (target: <= 20 s), against a fresh run's.
 Timings never decide a test; on a shared machine, rerun for stable figures.
 """
 
