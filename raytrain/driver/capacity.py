@@ -48,13 +48,15 @@ def worker_need(scaling) -> dict:
     return {k: v for k, v in need.items() if v}
 
 
-def _fits(resources: dict, need: dict) -> int:
+def fits(resources: dict, need: dict) -> int:
+    """How many workers needing `need` fit in `resources`."""
     if not need:
         return 1 << 30
     return int(min(resources.get(k, 0) // v for k, v in need.items()))
 
 
-def _show(resources: dict) -> str:
+def show_resources(resources: dict) -> str:
+    """{CPU: 2, memory: 8.0 GiB}: resources as the one-line messages show them."""
     shown = {k: (f"{v / 2**30:.1f} GiB" if k in ("memory", "object_store_memory") else f"{v:g}")
              for k, v in sorted(resources.items()) if not k.startswith("node:") and k != "object_store_memory"}
     return "{" + ", ".join(f"{k}: {v}" for k, v in shown.items()) + "}"
@@ -74,16 +76,16 @@ def refusal(scaling, cluster: Cluster) -> str | None:
             else "scaling.resources_per_worker"
         return (f"{field}: asks {need['GPU']:g} GPU per worker, but the cluster has no GPU node"
                 f"{' and its autoscaler no GPU node type' if types else ' and no autoscaler'} ({where})")
-    if not any(_fits(r, need) for r in offers):
+    if not any(fits(r, need) for r in offers):
         short = [k for k in need if not any(r.get(k, 0) >= need[k] for r in offers)] or list(need)
         best = max(offers, key=lambda r: [r.get(k, 0) for k in short], default={})
         field = "scaling.resources_per_worker" if scaling.resources_per_worker else "scaling.num_workers"
-        return (f"{field}: each worker asks {_show({k: need[k] for k in short})}, but no node "
-                f"{'or node type ' if types else ''}offers that: the most is {_show({k: best.get(k, 0) for k in short})} "
+        return (f"{field}: each worker asks {show_resources({k: need[k] for k in short})}, but no node "
+                f"{'or node type ' if types else ''}offers that: the most is {show_resources({k: best.get(k, 0) for k in short})} "
                 f"({where})")
     wanted = scaling.min_workers if scaling.elastic else scaling.num_workers
-    per = (lambda r: min(_fits(r, need), 1)) if scaling.placement_strategy == "STRICT_SPREAD" \
-        else (lambda r: _fits(r, need))
+    per = (lambda r: min(fits(r, need), 1)) if scaling.placement_strategy == "STRICT_SPREAD" \
+        else (lambda r: fits(r, need))
     if scaling.placement_strategy == "STRICT_PACK":
         most = max(per(r) for r in offers)
     else:
@@ -95,7 +97,7 @@ def refusal(scaling, cluster: Cluster) -> str | None:
     pack = " on one node (STRICT_PACK)" if scaling.placement_strategy == "STRICT_PACK" else \
         " on distinct nodes (STRICT_SPREAD)" if scaling.placement_strategy == "STRICT_SPREAD" else ""
     limit = f", at most {cluster.max_worker_nodes} worker nodes" if types and cluster.max_worker_nodes is not None else ""
-    return (f"scaling.num_workers: {asks} of {_show(need)}{pack}, but the cluster holds at most {most} "
+    return (f"scaling.num_workers: {asks} of {show_resources(need)}{pack}, but the cluster holds at most {most} "
             f"({where}{limit})")
 
 

@@ -17,7 +17,7 @@ import threading
 import time
 
 from ..config.sections import ConfigError
-from .capacity import _fits, _show, worker_need
+from .capacity import fits, show_resources, worker_need
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ class Waiting:
     def line(self, need: dict, waited: float, bound: float | None) -> str:
         pending = "" if self.pending is None else f", {self.pending} node(s) pending"
         of = f" of scaling.max_wait_s={bound:g}" if bound else ""
-        return (f"waiting for workers: {self.wanted} wanted of {_show(need)}, room for {min(self.room, self.wanted)} "
+        return (f"waiting for workers: {self.wanted} wanted of {show_resources(need)}, room for {min(self.room, self.wanted)} "
                 f"on the {self.nodes} node(s) up{pending} (waited {waited:.0f} s{of})")
 
 
@@ -53,9 +53,9 @@ def observe(scaling) -> Waiting | None:
     ours = [g for g in groups if g.creator_job_id.hex() == job and g.state != gcs_pb2.PlacementGroupTableData.REMOVED]
     nodes = [n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")]
     try:  # room now: what the nodes have free
-        room = sum(_fits(r, need) for r in state.available_resources_per_node().values())
+        room = sum(fits(r, need) for r in state.available_resources_per_node().values())
     except Exception:  # noqa: BLE001
-        room = sum(_fits(r, need) for r in nodes)
+        room = sum(fits(r, need) for r in nodes)
     waiting = [g for g in ours if g.state in (gcs_pb2.PlacementGroupTableData.PENDING,
                                               gcs_pb2.PlacementGroupTableData.RESCHEDULING)]
     if waiting:
@@ -64,7 +64,7 @@ def observe(scaling) -> Waiting | None:
         return None
     else:
         wanted = scaling.min_workers if scaling.elastic else scaling.num_workers
-        if sum(_fits(r, need) for r in nodes) >= wanted:  # the nodes up hold it: Ray Train is starting it
+        if sum(fits(r, need) for r in nodes) >= wanted:  # the nodes up hold it: Ray Train is starting it
             return None
     return Waiting(wanted, room, len(nodes), _pending_nodes())
 
@@ -123,7 +123,7 @@ class WaitWatch:
             line = waiting.line(worker_need(self.scaling), waited, bound)
             if bound is not None and waited >= bound:
                 self.timed_out = (f"scaling.max_wait_s: waited {waited:.0f} s for {waiting.wanted} workers of "
-                                  f"{_show(worker_need(self.scaling))} (room for {min(waiting.room, waiting.wanted)} "
+                                  f"{show_resources(worker_need(self.scaling))} (room for {min(waiting.room, waiting.wanted)} "
                                   f"on the {waiting.nodes} node(s) up); the run stopped, nothing lost: run it again "
                                   "when the cluster has room (--resume auto continues from its last checkpoint)")
                 self._abort()
