@@ -120,6 +120,13 @@ class ProgressCallback(TrainerCallback):
         else:
             self._write(line)
 
+    def status(self, line: str) -> None:
+        """A line about the run, not from its loop (the driver's: waiting for workers)."""
+        if self.training_bar is not None:
+            self.training_bar.write(line, file=self.stream)
+        else:
+            self._write(line)
+
     def _write(self, line: str) -> None:
         # Not print(): in a Ray Train worker, print is patched to go to the logger as well as to the
         # stream, and Ray shows each line twice.

@@ -108,6 +108,9 @@ class ScalingConfig(StrictModel):
         -1, ge=-1, description="restarts after a node preemption that Ray announced (a drained spot node: "
         "the workers save a checkpoint and stop), counted apart from max_failures; -1 retries forever")
     storage_path: str | None = Field(None, description="where Ray stores checkpoints and results (local path or URI)")
+    max_wait_s: float | None = Field(
+        None, gt=0, description="the longest the run waits for its workers (at start, or to restart after a "
+        "failure) before it ends in one line, its checkpoints kept for --resume; none: wait as long as it takes")
 
     @field_validator("num_workers", mode="before")
     @classmethod

@@ -20,7 +20,9 @@ from ..config.sections import ConfigError
 from ..data.build import blocks_for_workers
 from ..callbacks.state import TrainerState, TrainOutput
 from ..worker.ray_worker import keeps_best
+from .capacity import check_capacity
 from .progress import driver_progress
+from .waiting import WaitTimeout, WaitWatch
 from .torch_trainer import build_torch_trainer, fit, scaling_config
 
 logger = logging.getLogger(__name__)
@@ -161,6 +163,7 @@ def run_distributed(trainer, resume_from_checkpoint=None) -> TrainOutput:
 
     args = trainer.args
     ensure_ray()
+    check_capacity(args.scaling)
     check_storage(args.scaling)
     worker_args = copy.deepcopy(args)
     # Ray Train moves workers into the run's directory: every path they get must be absolute.
@@ -174,16 +177,39 @@ def run_distributed(trainer, resume_from_checkpoint=None) -> TrainOutput:
     for key in blocks:
         setattr(view, key, None)
     try:
-        with driver_progress(trainer) as feed:
-            result = fit(build_torch_trainer(
+        with driver_progress(trainer) as feed, WaitWatch(args.scaling, _status_line(trainer)) as watch:
+            torch_trainer = build_torch_trainer(
                 view, worker_args, name=name, storage_path=_abs_storage(args.scaling.storage_path),
                 resume_from_checkpoint=resume_from_checkpoint,
                 checkpoint_config=CheckpointConfig(num_to_keep=None if keeps_best(args) else args.save_total_limit),
-                datasets=blocks, progress=feed))
+                datasets=blocks, progress=feed)
+            torch_trainer.on_controller = watch.controller
+            try:
+                result = fit(torch_trainer)
+            except Exception:
+                if watch.timed_out:
+                    raise WaitTimeout(watch.timed_out) from None
+                raise
+            if watch.timed_out:
+                raise WaitTimeout(watch.timed_out)
     finally:
         for stream in blocks.values():  # Ray Data stops if it still runs; the blocks are let go
             stream.close()
     return _apply_result(trainer, result.return_value)
+
+
+def _status_line(trainer):
+    """Where the driver's own lines go: the progress callbacks' line (a bar's or the log's), else the log."""
+    from ..callbacks.progress import progress_callbacks
+
+    shown = [cb for cb in progress_callbacks(trainer.callback_handler.callbacks) if hasattr(cb, "status")]
+
+    def say(line: str) -> None:
+        for cb in shown:
+            cb.status(line)
+        if not shown:
+            logger.warning(line)
+    return say
 
 
 def check_storage(scaling) -> None:

@@ -10,11 +10,13 @@ import os
 import signal
 import threading
 
-from ray.train.torch import TorchConfig
+from ray.train.torch import TorchConfig, TorchTrainer
 from ray.train.torch.config import _TorchBackend
+from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
 
 from ..runtime.threads import explicit_threads
 from ..worker import ray_worker
+from .elastic import FreshViewElasticPolicy
 
 __all__ = ["build_torch_trainer", "fit", "scaling_config", "worker_error"]
 
@@ -37,14 +39,13 @@ def build_torch_trainer(trainer, args, *, name: str, storage_path: str | None, r
     run `name` under `storage_path`. `worker_config` travels to every worker beside the trainer
     (ray_worker.train_loop_per_worker reads `datasets`, `progress` and `trial`)."""
     from ray.train import FailureConfig, LoggingConfig, RunConfig
-    from ray.train.torch import TorchTrainer
 
     config = {"trainer": ray_worker.pickle_trainer(trainer, args), "resume_from_checkpoint": resume_from_checkpoint,
               # Workers tell a restart within this fit (same id) from a new run in the same output_dir.
               "run": f"{name}-{os.urandom(4).hex()}",
               # The driver's OMP_NUM_THREADS: the workers' own is Ray's (their CPU count).
               "threads": explicit_threads(), **worker_config}
-    return TorchTrainer(
+    return _RaytrainTorchTrainer(
         ray_worker.train_loop_per_worker,
         train_loop_config=config,
         scaling_config=scaling_config(args.scaling),
@@ -57,6 +58,7 @@ def build_torch_trainer(trainer, args, *, name: str, storage_path: str | None, r
                              # group set up) stay in its log files; its warnings still print.
                              logging_config=LoggingConfig(log_level="WARNING")),
         torch_config=_RaytrainTorchConfig(),
+        scaling=args.scaling,
     )
 
 
@@ -107,3 +109,43 @@ class _RaytrainTorchConfig(TorchConfig):
     @property
     def backend_cls(self):
         return _RaytrainTorchBackend
+
+
+def _start_timeout_env(scaling) -> dict:
+    """Ray Train's group-start timeout for this run. A fixed-size group retried after the timeout asks for
+    the same workers again, only with a traceback on the console every 60 s: it waits instead (the
+    driver bounds the wait, scaling.max_wait_s). An elastic group keeps Ray's timeout (a retry re-decides
+    its size). The user's own RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S wins."""
+    name = "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S"
+    if name in os.environ or scaling.elastic:
+        return {}
+    return {name: str(10 ** 9)}
+
+
+class _RaytrainTorchTrainer(TorchTrainer):
+    """Ray's TorchTrainer with raytrain's elastic policy (elastic.py), the group-start timeout above, and
+    the controller's handle passed to on_controller (the driver's wait bound aborts the run through it)."""
+
+    def __init__(self, *args, scaling=None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.raytrain_scaling, self.on_controller = scaling, None
+
+    def _initialize_and_run_controller(self, **kwargs):
+        if isinstance(kwargs.get("scaling_policy"), ElasticScalingPolicy):
+            kwargs["scaling_policy"] = FreshViewElasticPolicy(self.scaling_config)
+        env = _start_timeout_env(self.raytrain_scaling) if self.raytrain_scaling is not None else {}
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)  # Ray propagates it to the controller as it starts
+        try:
+            return super()._initialize_and_run_controller(**kwargs)
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+
+    def _register_sigint_handler(self, controller):  # called with the controller's handle (main thread)
+        super()._register_sigint_handler(controller)
+        if self.on_controller is not None:
+            self.on_controller(controller)
