@@ -125,6 +125,9 @@ def test_the_example_on_two_ray_workers(ray_cluster, tmp_path):
     assert os.path.isfile(out / "final" / "merged" / "model.safetensors")
 
 
+# Long (1 minute): by default the CLI's sweep runs in sweep/test_search.py (resumed by name), and the snippet and
+# search_spaces/lora.yaml are checked in test_docs.py.
+@pytest.mark.long
 @pytest.mark.ray
 @pytest.mark.timeout(300)
 def test_the_lora_sweep_runs_two_trials(ray_cluster, tmp_path):
