@@ -37,6 +37,9 @@ def _run(cmd: list[str], timeout: int) -> str:
 # ---------------------------------------------------------------- never hangs
 
 
+# Long (1 minute, its own cluster): by default Ray Data streams into training on the session's cluster in the
+# tests below, and a stage that cannot run fails in one line (test_bad_input_is_one_line_naming_...).
+@pytest.mark.long
 @pytest.mark.timeout(600)
 def test_two_workers_on_a_two_cpu_cluster_train_from_ray_datasets(tmp_path):
     """Its own cluster of exactly 2 CPUs (tests/data/data_helpers.py): 2 workers holding both CPUs train on

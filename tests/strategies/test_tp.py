@@ -25,6 +25,9 @@ LAYOUTS = {  # name -> (parallelism_config, per-device batch); 4 processes each
 RESUMES = ("2x2", "dp4", "tp4")  # from 2x2's checkpoint-SAVE_AT
 BACK = ("dp4", "tp4", "single")  # 2x2 resumes from these layouts' checkpoint-SAVE_AT
 
+# One xdist worker runs the module, so its 4-process launch (the `layouts` fixture) runs once.
+pytestmark = pytest.mark.xdist_group("tp")
+
 
 def tiny_llama(seed: int = 0):
     from transformers import LlamaConfig, LlamaForCausalLM
