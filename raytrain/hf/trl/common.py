@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from transformers import TrainerCallback
 
 from ...callbacks.base import ExportableState
@@ -69,7 +70,8 @@ class TRLMetricsState(TrainerCallback, ExportableState):
 
 
 class TRLMethods:
-    """TRL's `log` (its metrics averaged, eval_-prefixed in evaluation) and the tensor-parallel size (1 here)."""
+    """TRL's `log` (its metrics averaged, eval_-prefixed in evaluation), its prediction_step, and the
+    tensor-parallel size (1 here)."""
 
     def __init__(self, *args: Any, callbacks: list | None = None, **kwargs: Any):
         super().__init__(*args, callbacks=[*(callbacks or []), TRLMetricsState()], **kwargs)
@@ -101,3 +103,20 @@ class TRLMethods:
         logs.update(metrics)
         super().log(logs, start_time)
         self._metrics[mode].clear()
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """TRL's: the loss from compute_loss, and the outputs' logits only when predictions are wanted."""
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad(), self.get_strategy().autocast():
+            if prediction_loss_only:
+                return self.compute_loss(model, inputs).detach(), None, None
+            loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
+        return loss.detach(), outputs.logits, self._prediction_labels(inputs)
+
+    def _prediction_labels(self, inputs: dict) -> Any:
+        return inputs.get("labels")
+
+
+def divided(out: Any, by: int) -> Any:
+    """compute_loss's result (a loss, or (loss, outputs)) with the loss divided by `by`."""
+    return (out[0] / by, out[1]) if isinstance(out, tuple) else out / by

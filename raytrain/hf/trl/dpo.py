@@ -12,7 +12,7 @@ from trl import DPOTrainer as _TRL
 from trl.trainer.dpo_trainer import DataCollatorForPreference
 from trl.trainer.utils import add_fused_lm_head, create_model_from_path, disable_dropout_in_model
 
-from .common import TRLMethods, as_config, check_unsupported, setup_peft
+from .common import TRLMethods, as_config, check_unsupported, divided, setup_peft
 
 _F_DIVERGENCE_LOSSES = {"sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft"}
 
@@ -171,13 +171,7 @@ class DPOMethods(TRLMethods):
         share = self.args.gradient_accumulation_steps * self.accelerator.num_processes
         if share == 1 or not self.model.training:  # evaluation: each batch's mean, as raytrain gathers them
             return out
-        return (out[0] / share, out[1]) if return_outputs else out / share
+        return divided(out, share)
 
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        """TRL's: the loss from compute_loss (no labels in a preference batch)."""
-        inputs = self._prepare_inputs(inputs)
-        with torch.no_grad(), self.get_strategy().autocast():
-            if prediction_loss_only:
-                return self.compute_loss(model, inputs).detach(), None, None
-            loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
-        return loss.detach(), outputs.logits, inputs["input_ids"]
+    def _prediction_labels(self, inputs: dict) -> Any:
+        return inputs["input_ids"]  # TRL's: a preference batch has no labels

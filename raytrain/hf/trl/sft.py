@@ -16,7 +16,7 @@ from trl.data_utils import is_conversational
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 from trl.trainer.utils import add_fused_lm_head, create_model_from_path
 
-from .common import TRLMethods, as_config, check_unsupported, setup_peft
+from .common import TRLMethods, as_config, check_unsupported, divided, setup_peft
 
 
 class SFTMethods(TRLMethods):
@@ -168,16 +168,7 @@ class SFTMethods(TRLMethods):
         n = self.accelerator.num_processes
         if n == 1 or not (self.args.average_tokens_across_devices and num_items_in_batch is not None):
             return out
-        return (out[0] / n, out[1]) if return_outputs else out / n
-
-    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        """TRL's: the outputs (an extra forward for the logits) only when predictions are wanted."""
-        inputs = self._prepare_inputs(inputs)
-        with torch.no_grad(), self.get_strategy().autocast():
-            if prediction_loss_only:
-                return self.compute_loss(model, inputs).detach(), None, None
-            loss, outputs = self.compute_loss(model, inputs, return_outputs=True)
-        return loss.detach(), outputs.logits, inputs.get("labels")
+        return divided(out, n)
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """As TRL: a dataset passed here is prepared as the init's were."""
