@@ -147,5 +147,5 @@ class _RaytrainTorchTrainer(TorchTrainer):
 
     def _register_sigint_handler(self, controller):  # called with the controller's handle (main thread)
         super()._register_sigint_handler(controller)
-        if self.on_controller is not None:
-            self.on_controller(controller)
+        if self.on_controller is not None:  # with the id under which Ray Train asks the autoscaler for nodes
+            self.on_controller(controller, f"train-{self.train_run_context.run_id}")

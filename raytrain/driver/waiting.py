@@ -2,10 +2,11 @@
 scaling.max_wait_s it ends the run in one line.
 
 Waiting: a placement group of this job that Ray cannot place yet, or no group at all while the nodes up
-cannot hold the smallest one (an elastic group below min_workers). Read from the GCS every 2 s; the first
-line after 5 s of waiting (a normal start places its group at once), then one every 10 s. The wait is
-ended by aborting Ray Train's controller, as Ray's own Ctrl-C does (killing it where it blocks): no worker
-runs then, so nothing is lost; the run's checkpoints stay for --resume.
+cannot hold the smallest one (an elastic group below min_workers). Read from the GCS every second; the first
+line at once while the autoscaler launches nodes, else after 5 s of waiting (a normal start places its group
+at once), then one every 10 s and one whenever what it waits for changes. The wait is ended by aborting Ray
+Train's controller, as Ray's own Ctrl-C does (killing it where it blocks): no worker runs then, so nothing is
+lost; the run's checkpoints stay for --resume.
 """
 
 from __future__ import annotations
@@ -86,16 +87,16 @@ def _pending_nodes() -> int | None:
 class WaitWatch:
     """The driver's thread that watches a run's wait (see the module's docstring)."""
 
-    def __init__(self, scaling, say, every_s: float = 10.0, poll_s: float = 2.0, grace_s: float = 5.0):
+    def __init__(self, scaling, say, every_s: float = 10.0, poll_s: float = 1.0, grace_s: float = 5.0):
         self.scaling, self.say = scaling, say
         self.every_s, self.poll_s, self.grace_s = every_s, poll_s, grace_s
         self.timed_out: str | None = None
-        self._controller = None
+        self._controller = self._requester_id = None
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True, name="raytrain-wait")
 
-    def controller(self, handle) -> None:
-        self._controller = handle
+    def controller(self, handle, requester_id: str | None = None) -> None:
+        self._controller, self._requester_id = handle, requester_id
 
     def __enter__(self):
         self._thread.start()
@@ -106,7 +107,7 @@ class WaitWatch:
         self._thread.join(timeout=10)
 
     def _run(self) -> None:
-        since = said = None
+        since = said = shown = None
         bound = self.scaling.max_wait_s
         while not self._done.wait(self.poll_s):
             try:
@@ -116,7 +117,7 @@ class WaitWatch:
                 continue
             now = time.monotonic()
             if waiting is None:
-                since = said = None
+                since = said = shown = None
                 continue
             since = since if since is not None else now
             waited = now - since
@@ -128,14 +129,18 @@ class WaitWatch:
                                   "when the cluster has room (--resume auto continues from its last checkpoint)")
                 self._abort()
                 return
-            if waited >= self.grace_s and (said is None or now - said >= self.every_s - self.poll_s / 2):
-                said = now
+            # Nodes pending make a real wait, said at once (a normal start places its group within grace_s);
+            # then a line every every_s, and one whenever the room or the autoscaler's launches change.
+            state = (waiting.wanted, waiting.room, waiting.nodes, waiting.pending)
+            if (waited >= self.grace_s or waiting.pending) and \
+                    (said is None or state != shown or now - said >= self.every_s - self.poll_s / 2):
+                said, shown = now, state
                 self.say(line)
 
     def _abort(self) -> None:
         """Abort the controller as Ray's Ctrl-C does; one blocked in its group's start (it waits there for
-        a fixed-size group's placement, torch_trainer._start_timeout_env) cannot answer: it is killed, and
-        the GCS removes the placement group it created."""
+        a fixed-size group's placement, torch_trainer._start_timeout_env) cannot answer: it is killed, the
+        GCS removes the placement group it created, and its request for nodes is withdrawn here."""
         import ray
 
         if self._controller is None:
@@ -145,5 +150,22 @@ class WaitWatch:
             ray.get(self._controller.abort.remote(), timeout=5)
         except ray.exceptions.GetTimeoutError:
             ray.kill(self._controller, no_restart=True)
+            self._cancel_node_request()
         except Exception as e:  # noqa: BLE001 - the controller exits as it aborts
             logger.debug("abort: %s", e)
+
+    def _cancel_node_request(self) -> None:
+        """Withdraw the run's request for nodes, as an aborted controller does itself: a killed one leaves
+        it to the autoscaler for 3 minutes, which would keep (or launch) nodes for a run that has ended."""
+        import ray
+        from ray.data._internal.cluster_autoscaler.default_autoscaling_coordinator import (
+            get_or_create_autoscaling_coordinator,
+        )
+
+        if self._requester_id is None:
+            return
+        try:
+            ray.get(get_or_create_autoscaling_coordinator().cancel_request.remote(requester_id=self._requester_id),
+                    timeout=5)
+        except Exception as e:  # noqa: BLE001 - Ray's own request expires in 3 minutes anyway
+            logger.debug("cancel the node request of %s: %s", self._requester_id, e)

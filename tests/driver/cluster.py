@@ -177,13 +177,7 @@ class SimCluster:
 
     def drive(self, spec: dict, timeout: float = 400) -> subprocess.Popen:
         """Start a driver (this module's main) for `spec`; its result goes to spec["result"]."""
-        path = spec["result"] + ".spec.json"
-        with open(path, "w") as f:
-            json.dump({**spec, "address": self.address}, f)
-        log = open(spec["result"] + ".log", "wb")
-        self.logs.append(log)
-        return subprocess.Popen([sys.executable, "-m", "tests.driver.cluster", path], cwd=ROOT, env=self.env(),
-                                stdout=log, stderr=subprocess.STDOUT)
+        return drive(spec, self.address, self.env())
 
     def close(self) -> None:
         for proc, ns in self.nodes.values():
@@ -208,6 +202,19 @@ class SimCluster:
 # ---------------------------------------------------------------- the driver (a subprocess)
 
 
+def drive(spec: dict, address: str, env: dict) -> subprocess.Popen:
+    """Start a driver (this module's main) for `spec` on the cluster at `address`; its result goes to
+    spec["result"], its console to spec["result"] + ".log"."""
+    path = spec["result"] + ".spec.json"
+    with open(path, "w") as f:
+        json.dump({**spec, "address": address}, f)
+    pythonpath = [ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = {"DS_ACCELERATOR": "cpu", **env, "PYTHONPATH": os.pathsep.join(dict.fromkeys(pythonpath))}
+    with open(spec["result"] + ".log", "wb") as log:
+        return subprocess.Popen([sys.executable, "-m", "tests.driver.cluster", path], cwd=ROOT, env=env,
+                                stdout=log, stderr=subprocess.STDOUT)
+
+
 class PauseOnce(TrainerCallback):
     """On `rank`, after `step` of the first attempt (at its step end, or `at="save"`: once checkpoint-`step`
     is written on the node's disk, before Ray has it): record this process's mount namespace (which
@@ -219,6 +226,10 @@ class PauseOnce(TrainerCallback):
     def _pause(self, state) -> None:
         if int(os.environ.get("RANK", 0)) == self.rank and state.global_step == self.step \
                 and not os.path.exists(self.flag):
+            import ray
+
+            with open(self.flag + ".node", "w") as f:  # Ray's id of the node (the local twin's own id)
+                f.write(ray.get_runtime_context().get_node_id())
             with open(self.flag + ".tmp", "w") as f:
                 f.write(_mount_ns(os.getpid()))
             os.replace(self.flag + ".tmp", self.flag)
@@ -285,9 +296,10 @@ def main(spec_path: str) -> None:
     # that load_best_model_at_end reads a checkpoint written before any node was lost.
     best = dict(eval_strategy="steps", eval_steps=5, load_best_model_at_end=True, metric_for_best_model="loss",
                 greater_is_better=True) if spec.get("best") else {}
-    args = digits_args(spec["output_dir"], spec.get("storage"), max_steps=20, logging_steps=1, save_steps=5,
-                       scaling={"max_failures": spec.get("max_failures", 0),
-                                "resources_per_worker": {"CPU": 1, "spot": 1},
+    args = digits_args(spec["output_dir"], spec.get("storage"), max_steps=spec.get("max_steps", 20), logging_steps=1,
+                       save_steps=5,
+                       scaling={"max_failures": spec.get("max_failures", 0), "max_wait_s": spec.get("max_wait_s"),
+                                "resources_per_worker": spec.get("resources", {"CPU": 1, "spot": 1}),
                                 **({"num_workers": [1, 2], "resize_interval_s": 1} if spec.get("elastic") else {})},
                        distributed=spec.get("distributed") or {"strategy": spec.get("strategy", "ddp")},
                        save_async=spec.get("save_async", False), save_total_limit=spec.get("keep"), **best)
@@ -305,7 +317,7 @@ def main(spec_path: str) -> None:
     try:
         trainer = Trainer(model, args, train_dataset=train, eval_dataset=val if best else None,
                           callbacks=callbacks)
-        out = trainer.train()
+        out = trainer.train(resume_from_checkpoint=spec.get("resume"))
         trainer.save_model(os.path.join(spec["output_dir"], "final"))
         trainer.save_state()
         result = {"global_step": out.global_step, "digest": state_digest(trainer.model.state_dict()),

@@ -1,17 +1,11 @@
-"""A run that waits for its workers says so on the driver's progress line; scaling.max_wait_s ends the wait
-in one line (Ray Train's controller aborted, no worker ever started), and the same run goes through once
-the cluster has room."""
+"""The line a run waiting for its workers shows on the driver's console. The wait itself, bounded by
+scaling.max_wait_s and resumed later, runs on the laptop twin of cluster.yaml: test_local_cluster.py."""
 
 from __future__ import annotations
 
-import logging
 
-import pytest
 
-from raytrain import Trainer
-from raytrain.config.sections import ConfigError
 from raytrain.driver.waiting import Waiting
-from tests.strategies._helpers import digits_args, digits_model
 
 
 def test_the_waiting_line():
@@ -21,26 +15,29 @@ def test_the_waiting_line():
     assert "pending" not in Waiting(2, 0, 1, None).line({"CPU": 1}, 5, None)
 
 
-@pytest.mark.ray
-@pytest.mark.timeout(240)
-def test_a_bounded_wait_ends_in_one_line_and_the_run_goes_through_later(ray_cluster, digits, tmp_path, caplog, capsys):
-    train, _ = digits
-    # 3 of the session cluster's 4 CPUs taken: the 2-worker group fits the cluster, not its room now.
-    from ray.util.placement_group import placement_group, remove_placement_group
+def test_a_wait_is_said_at_once_while_nodes_are_pending_and_again_when_it_changes(monkeypatch):
+    import threading
+    from types import SimpleNamespace
 
-    blocker = placement_group([{"CPU": 3}])
-    ray_cluster.get(blocker.ready(), timeout=60)
-    args = digits_args(str(tmp_path / "out"), str(tmp_path / "ray"), max_steps=4, save_steps=2,
-                       scaling={"max_wait_s": 12})
-    try:
-        with caplog.at_level(logging.WARNING), pytest.raises(ConfigError) as e:
-            Trainer(digits_model(), args, train_dataset=train).train()
-    finally:
-        remove_placement_group(blocker)
-    message = str(e.value)
-    assert "\n" not in message and message.startswith("scaling.max_wait_s: waited 1") and \
-        "for 2 workers of {CPU: 1} (room for 1 on the 1 node(s) up); the run stopped, nothing lost" in message
-    shown = caplog.text + capsys.readouterr().err
-    assert "waiting for workers: 2 wanted of {CPU: 1}, room for 1 on the 1 node(s) up" in shown
-    out = Trainer(digits_model(), args, train_dataset=train).train()
-    assert out.global_step == 4
+    from raytrain.driver import waiting
+
+    seen = [Waiting(2, 0, 1, 0), Waiting(2, 0, 1, 2), Waiting(2, 0, 1, 2), Waiting(2, 1, 2, 1),
+            Waiting(2, 1, 2, 1), None, Waiting(2, 0, 1, None)]
+    done = threading.Event()
+
+    def observe(scaling):
+        if not seen:
+            done.set()
+            return None
+        return seen.pop(0)
+
+    monkeypatch.setattr(waiting, "observe", observe)
+    said = []
+    scaling = SimpleNamespace(max_wait_s=None, resources_per_worker={"CPU": 1}, use_gpu=False)
+    with waiting.WaitWatch(scaling, said.append, every_s=60, poll_s=0.01, grace_s=30):
+        assert done.wait(10)
+    # within grace_s and nothing pending: silent; nodes pending: said at once; the same again: silent;
+    # a change: said; after the wait ended, a new one within grace_s and no autoscaler: silent
+    assert [line.split(" (waited")[0] for line in said] == [
+        "waiting for workers: 2 wanted of {CPU: 1}, room for 0 on the 1 node(s) up, 2 node(s) pending",
+        "waiting for workers: 2 wanted of {CPU: 1}, room for 1 on the 2 node(s) up, 1 node(s) pending"]

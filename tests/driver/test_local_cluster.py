@@ -1,0 +1,105 @@
+"""The laptop twin of cluster.yaml (raytrain.cli.local_cluster): Ray's own autoscaler launching and releasing
+worker nodes as local processes. On it: a request beyond its autoscaler's limits refused in one line, a run
+that scales from zero showing the nodes pending, a node lost that the autoscaler cannot replace in time
+(scaling.max_wait_s ends the run in one line), the same run resumed later from its checkpoint, and the
+idle nodes released."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import yaml
+
+from raytrain.cli.local_cluster import HEAD_TYPE, LocalCluster, twin_config
+from tests.driver.cluster import ROOT, drive
+
+
+def test_the_twin_is_shaped_like_cluster_yaml():
+    with open(os.path.join(ROOT, "cluster.yaml")) as f:
+        cluster = yaml.safe_load(f)
+    twin = twin_config(cluster, gcs_address="10.0.0.1:6379", worker_cpus=2, idle_timeout_s=30)
+    provider = twin["provider"]
+    assert provider["module"] == "raytrain.cli.twin_provider.TwinProvider" and provider["gcs_address"] == "10.0.0.1:6379"
+    assert twin["max_workers"] == 8 and twin["idle_timeout_minutes"] == 0.5 and twin["head_node_type"] == HEAD_TYPE
+    types = twin["available_node_types"]
+    assert types[HEAD_TYPE]["resources"] == {"CPU": 0}
+    assert {name: (t["min_workers"], t["max_workers"], t["resources"]["CPU"]) for name, t in types.items()
+            if name != HEAD_TYPE} == {"ray.worker.gpu_spot": (0, 8, 2), "ray.worker.gpu_spot_4x": (0, 2, 2)}
+
+
+def _result(spec: dict, proc: subprocess.Popen) -> tuple[dict, str]:
+    proc.wait(300)
+    with open(spec["result"]) as f, open(spec["result"] + ".log") as g:
+        return json.load(f), g.read()
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(420)
+def test_a_run_on_the_twin_scales_from_zero_waits_bounded_resumes_and_releases(tmp_path):
+    shape = {"cluster_name": "t", "max_workers": 2, "head_node_type": "head",
+             "available_node_types": {"head": {"resources": {"CPU": 0}},
+                                      "spot": {"min_workers": 0, "max_workers": 2, "resources": {}}}}
+    with open(tmp_path / "cluster.yaml", "w") as f:
+        yaml.safe_dump(shape, f)
+    twin = LocalCluster(str(tmp_path / "cluster.yaml"), idle_timeout_s=4)
+    try:
+        twin.start()
+        # beyond the autoscaler's max_workers: refused in one line before any work
+        refused = subprocess.run([sys.executable, "-m", "raytrain.run", "--config", "examples/digits.yaml",
+                                  "--set", "scaling.num_workers=3", "--set", f"output_dir={tmp_path / 'no'}"],
+                                 cwd=ROOT, env=twin.env(), capture_output=True, text=True, timeout=120)
+        assert refused.returncode == 2, refused.stderr[-2000:]
+        lines = refused.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(
+            "error: scaling.num_workers: asks 3 workers of {CPU: 1}, but the cluster holds at most 2 "
+            "(1 node(s) up, autoscaler node types spot, at most 2 worker nodes)"), refused.stderr[-2000:]
+        assert not twin.worker_nodes()  # nothing launched for it
+
+        flag = str(tmp_path / "lose")
+        common = {"output_dir": str(tmp_path / "out"), "storage": str(tmp_path / "storage"), "resources": {"CPU": 1},
+                  "max_steps": 12, "max_failures": 1}
+        # max_wait_s: above a loaded start from zero nodes (10-15 s), the restart's wait (no capacity) hits it
+        first = {**common, "result": str(tmp_path / "first.json"), "max_wait_s": 20,
+                 "pause": {"rank": 1, "step": 8, "flag": flag}}
+        proc = drive(first, twin.address, twin.env())
+        while not os.path.exists(flag):
+            assert proc.poll() is None, open(first["result"] + ".log").read()[-3000:]
+            time.sleep(0.2)
+        assert len(twin.worker_nodes()) == 2
+        twin.capacity(False)  # the spot market runs dry, then rank 1's node is terminated
+        with open(flag + ".node") as f:
+            lost = twin.terminate(f.read().strip())
+        result, console = _result(first, proc)
+        pending = [int(n) for n in re.findall(r"^waiting for workers: 2 wanted of \{CPU: 1\}, room for \d on the \d "
+                                              r"node\(s\) up, (\d) node\(s\) pending", console, re.M)]
+        assert pending and max(pending) >= 1, console  # scaling from zero: the autoscaler's launches shown
+        error = result.get("error", "")
+        assert re.fullmatch(r"WaitTimeout: scaling\.max_wait_s: waited 2\d s for 2 workers of \{CPU: 1\} \(room for 1 "
+                            r"on the 2 node\(s\) up\); the run stopped, nothing lost: run it again when the cluster has "
+                            r"room \(--resume auto continues from its last checkpoint\)", error), (error, console)
+        assert "Traceback" not in console, console
+        assert [n for n in os.listdir(tmp_path / "out") if n.startswith("checkpoint-")] == ["checkpoint-5"]
+
+        # later, with capacity again: the same run resumes from checkpoint-5 on a new node
+        twin.capacity(True)
+        second = {**common, "result": str(tmp_path / "second.json"), "resume": True, "marks": str(tmp_path / "marks")}
+        result, console = _result(second, drive(second, twin.address, twin.env()))
+        assert result.get("global_step") == 12, (result, console)
+        with open(tmp_path / "marks") as f:  # the steps this run trained
+            assert [json.loads(line)[2] for line in f] == list(range(6, 13))
+        assert [h["step"] for h in result["logs"]] == list(range(1, 13))
+        assert lost not in twin.worker_nodes()
+
+        ended = time.time()  # idle 4 s, then released (the monitor decides every second)
+        while twin.worker_nodes() and time.time() - ended < 90:
+            time.sleep(0.5)
+        assert not twin.worker_nodes()
+        print(f"twin: idle to released {time.time() - ended:.1f} s")
+    finally:
+        twin.stop()
