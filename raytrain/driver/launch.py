@@ -60,6 +60,32 @@ def ensure_ray(address: str | None = None) -> None:
     if not (sys.stdout.isatty() and sys.stderr.isatty()):
         os.environ.setdefault("RAY_COLOR_PREFIX", "0")  # read by Ray as it prints each worker line
     _skip_worker_line(PREEMPTION_WATCHER_LINE)
+    with _sigterm_kept():
+        _init(address, named, recorded)
+
+
+@contextlib.contextmanager
+def _sigterm_kept():
+    """ray.init installs Ray's crash handler for SIGTERM in the driver, which prints a stack and aborts
+    (exit 134): a `kill` or `ray job stop` would then skip graceful_stop's save. The driver's own Python
+    handler (graceful_stop's, or Python's default) is put back."""
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        if handler is not None:
+            signal.signal(signal.SIGTERM, handler)
+
+
+def _init(address: str | None, named: str | None, recorded: str | None) -> None:
+    import ray
+
     if named:
         ray.init(address=address, log_to_driver=True, logging_level=logging.WARNING)
         return

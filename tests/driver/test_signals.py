@@ -228,3 +228,26 @@ def test_python_api_ctrl_c_saves_then_raises_keyboard_interrupt(tmp_path):
     assert [ln for ln in seen if ln.startswith("@@ caught again: ")] == ["@@ caught again: KeyboardInterrupt()\n"]
     assert [ln for ln in seen if ln.startswith("@@ default handler back: ")] == ["@@ default handler back: True\n"] * 2
     assert sorted(os.listdir(out)) == [f"checkpoint-{step}"]  # the second interrupt saved nothing
+
+
+_SIGTERM_AFTER_RAY_INIT = r"""
+import os, signal, sys, time
+got = []
+signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum))
+from raytrain.driver.launch import ensure_ray
+ensure_ray(sys.argv[1])
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(0.5)
+print("handled", got)
+"""
+
+
+@pytest.mark.ray
+def test_the_drivers_sigterm_handler_outlives_ray_init(ray_cluster):
+    # ray.init installs Ray's crash handler for SIGTERM (a stack dump, then abort: exit 134), which
+    # would skip graceful_stop's save on `kill` or `ray job stop`; ensure_ray puts the driver's back.
+    address = ray_cluster.get_runtime_context().gcs_address
+    out = subprocess.run([sys.executable, "-c", _SIGTERM_AFTER_RAY_INIT, address], cwd=ROOT, capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    assert out.returncode == 0 and out.stdout.strip() == f"handled [{int(signal.SIGTERM)}]", out.stderr[-2000:]
+    assert "SIGTERM received" not in out.stderr, out.stderr[-2000:]
