@@ -1,8 +1,8 @@
 """The laptop twin of cluster.yaml (raytrain.cli.local_cluster): Ray's own autoscaler launching and releasing
-worker nodes as local processes. On it: a request beyond its autoscaler's limits refused in one line, a run
-that scales from zero showing the nodes pending, a node lost that the autoscaler cannot replace in time
-(scaling.max_wait_s ends the run in one line), the same run resumed later from its checkpoint, and the
-idle nodes released."""
+worker nodes as local processes. On it: a request beyond its autoscaler's limits refused in one line; a run
+on two launched nodes loses one with the capacity off (scaling.max_wait_s ends its restart's wait in one
+line); the same run resumed later from its checkpoint, its line showing the autoscaler's launches; the idle
+nodes released."""
 
 from __future__ import annotations
 
@@ -33,6 +33,20 @@ def test_the_twin_is_shaped_like_cluster_yaml():
             if name != HEAD_TYPE} == {"ray.worker.gpu_spot": (0, 8, 2), "ray.worker.gpu_spot_4x": (0, 2, 2)}
 
 
+_HOLD_NODES = r"""
+import sys, time, ray
+from ray.autoscaler.sdk import request_resources
+ray.init(address=sys.argv[1], log_to_driver=False)
+request_resources(bundles=[{"CPU": 1}] * int(sys.argv[2]))
+deadline = time.time() + 240
+while ray.cluster_resources().get("CPU", 0) < int(sys.argv[2]) and time.time() < deadline:
+    time.sleep(0.5)
+print("up" if time.time() < deadline else "not up", flush=True)
+sys.stdin.readline()
+request_resources(bundles=[])
+"""
+
+
 def _result(spec: dict, proc: subprocess.Popen) -> tuple[dict, str]:
     proc.wait(300)
     with open(spec["result"]) as f, open(spec["result"] + ".log") as g:
@@ -61,26 +75,28 @@ def test_a_run_on_the_twin_scales_from_zero_waits_bounded_resumes_and_releases(t
             "(1 node(s) up, autoscaler node types spot, at most 2 worker nodes)"), refused.stderr[-2000:]
         assert not twin.worker_nodes()  # nothing launched for it
 
+        # Two nodes up before the first run, through Ray's request_resources: a start from zero is the
+        # second run's (under load the launches take longer than this run's wait bound).
+        hold = subprocess.Popen([sys.executable, "-c", _HOLD_NODES, twin.address, "2"], cwd=ROOT, env=twin.env(),
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert hold.stdout.readline().strip() == "up", hold.communicate(timeout=30)
         flag = str(tmp_path / "lose")
         common = {"output_dir": str(tmp_path / "out"), "storage": str(tmp_path / "storage"), "resources": {"CPU": 1},
                   "max_steps": 12, "max_failures": 1}
-        # max_wait_s: above a loaded start from zero nodes (10-15 s), the restart's wait (no capacity) hits it
-        first = {**common, "result": str(tmp_path / "first.json"), "max_wait_s": 20,
+        first = {**common, "result": str(tmp_path / "first.json"), "max_wait_s": 10,
                  "pause": {"rank": 1, "step": 8, "flag": flag}}
         proc = drive(first, twin.address, twin.env())
         while not os.path.exists(flag):
             assert proc.poll() is None, open(first["result"] + ".log").read()[-3000:]
             time.sleep(0.2)
+        hold.communicate("\n", timeout=60)  # the request withdrawn
         assert len(twin.worker_nodes()) == 2
         twin.capacity(False)  # the spot market runs dry, then rank 1's node is terminated
         with open(flag + ".node") as f:
             lost = twin.terminate(f.read().strip())
         result, console = _result(first, proc)
-        pending = [int(n) for n in re.findall(r"^waiting for workers: 2 wanted of \{CPU: 1\}, room for \d on the \d "
-                                              r"node\(s\) up, (\d) node\(s\) pending", console, re.M)]
-        assert pending and max(pending) >= 1, console  # scaling from zero: the autoscaler's launches shown
         error = result.get("error", "")
-        assert re.fullmatch(r"WaitTimeout: scaling\.max_wait_s: waited 2\d s for 2 workers of \{CPU: 1\} \(room for 1 "
+        assert re.fullmatch(r"WaitTimeout: scaling\.max_wait_s: waited 1\d s for 2 workers of \{CPU: 1\} \(room for 1 "
                             r"on the 2 node\(s\) up\); the run stopped, nothing lost: run it again when the cluster has "
                             r"room \(--resume auto continues from its last checkpoint\)", error), (error, console)
         assert "Traceback" not in console, console
@@ -91,6 +107,9 @@ def test_a_run_on_the_twin_scales_from_zero_waits_bounded_resumes_and_releases(t
         second = {**common, "result": str(tmp_path / "second.json"), "resume": True, "marks": str(tmp_path / "marks")}
         result, console = _result(second, drive(second, twin.address, twin.env()))
         assert result.get("global_step") == 12, (result, console)
+        pending = [int(n) for n in re.findall(r"^waiting for workers: 2 wanted of \{CPU: 1\}, room for \d on the \d "
+                                              r"node\(s\) up, (\d) node\(s\) pending", console, re.M)]
+        assert pending and max(pending) >= 1, console  # the autoscaler's launches shown as they happen
         with open(tmp_path / "marks") as f:  # the steps this run trained
             assert [json.loads(line)[2] for line in f] == list(range(6, 13))
         assert [h["step"] for h in result["logs"]] == list(range(1, 13))
