@@ -57,6 +57,7 @@ CHECKED = {
     "data_ray.py": "Ray Data on an S3 bucket and two Ray Train workers",
     "cluster.sh": "a Ray cluster on a cloud; the job submitted to a token head: test_ray_job_submit_end_to_end",
     "benchmarks.sh": "minutes each",
+    "local_cluster.sh": "a laptop cluster: its own test, tests/driver/test_local_cluster.py",
     "llm_install.sh": "a pip install of the peft extra; the run is llm.sh's, run above",
 }
 
@@ -301,9 +302,13 @@ def test_shell_snippet_checks(name):
         elif words[:2] == ["bash", "benchmarks/gpu.sh"]:
             assert set(words[2:]) <= set(re.findall(r'"(--[\w-]+)"', _read(words[1]))), words
             assert set(env) <= {"OUT"}, env
+        elif words[:3] == ["python", "-m", "raytrain.cli.local_cluster"]:
+            from raytrain.cli.local_cluster import parser
+
+            parser().parse_args(words[3:])
         elif words[0] == "ray":
             assert shutil.which("ray"), "the ray CLI comes with ray[default]"
-            assert words[1] in ("get-auth-token", "up", "dashboard", "job"), words
+            assert words[1] in ("get-auth-token", "up", "dashboard", "job", "status"), words
             if "cluster.yaml" in words:
                 assert os.path.isfile(os.path.join(ROOT, "cluster.yaml"))
             if "--" in words:  # the job's entrypoint

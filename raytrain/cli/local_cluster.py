@@ -252,7 +252,7 @@ def _state(base: str) -> dict:
         raise ConfigError(f"--base: no local cluster recorded in {base} (start one with `up`)") from None
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m raytrain.cli.local_cluster", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -268,7 +268,11 @@ def main(argv: list[str] | None = None) -> int:
     room = sub.add_parser("capacity", help="off: every launch fails, as on a cloud out of spot capacity")
     room.add_argument("state", choices=["on", "off"])
     room.add_argument("--base", default="/tmp/raytrain-local-cluster")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     try:
         if args.command == "terminate":
             node = terminate(_state(args.base)["pgid"], args.node_id)
