@@ -7,6 +7,7 @@ import os
 
 from ray._private import ray_constants
 from ray.autoscaler._private.fake_multi_node.node_provider import FakeMultiNodeProvider
+from ray.autoscaler.node_launch_exception import NodeLaunchException
 
 
 class TwinProvider(FakeMultiNodeProvider):
@@ -28,5 +29,6 @@ class TwinProvider(FakeMultiNodeProvider):
 
     def create_node_with_resources_and_labels(self, node_config, tags, count, resources, labels):
         if os.path.exists(self.provider_config.get("no_capacity_file") or ""):
-            raise RuntimeError("no capacity for a new node (the local cluster's capacity is off)")
+            # the structured error a cloud provider raises: Ray records the node type as unavailable
+            raise NodeLaunchException("no capacity", "the local cluster's capacity is off", None)
         return super().create_node_with_resources_and_labels(node_config, tags, count, resources, labels)

@@ -33,16 +33,20 @@ class Waiting:
     room: int  # workers the nodes up could hold
     nodes: int
     pending: int | None  # nodes the autoscaler is launching (None: not known)
+    failing: str = ""  # node types whose launches fail now, with the provider's reason
 
     def line(self, need: dict, waited: float, bound: float | None) -> str:
         pending = "" if self.pending is None else f", {self.pending} node(s) pending"
+        if self.failing:
+            pending += f", launches failing: {self.failing}"
         of = f" of scaling.max_wait_s={bound:g}" if bound else ""
         return (f"waiting for workers: {self.wanted} wanted of {show_resources(need)}, room for {min(self.room, self.wanted)} "
                 f"on the {self.nodes} node(s) up{pending} (waited {waited:.0f} s{of})")
 
 
-def observe(scaling) -> Waiting | None:
-    """What this job's run waits for now, or None when it does not wait."""
+def observe(scaling, since: float | None = None) -> Waiting | None:
+    """What this job's run waits for now, or None when it does not wait; `since`: when the wait began
+    (time.time()), older launch failures are not this wait's."""
     import ray
     from ray._private.state import state
     from ray.core.generated import gcs_pb2
@@ -67,21 +71,30 @@ def observe(scaling) -> Waiting | None:
         wanted = scaling.min_workers if scaling.elastic else scaling.num_workers
         if sum(fits(r, need) for r in nodes) >= wanted:  # the nodes up hold it: Ray Train is starting it
             return None
-    return Waiting(wanted, room, len(nodes), _pending_nodes())
+    return Waiting(wanted, room, len(nodes), *_autoscaler_view(since))
 
 
-def _pending_nodes() -> int | None:
-    """Nodes the autoscaler is launching, from the status it publishes (None: no autoscaler status)."""
+def _autoscaler_view(since: float | None = None) -> tuple[int | None, str]:
+    """Nodes the autoscaler is launching, and the node types whose launches fail (with the provider's
+    category, e.g. a cloud's InsufficientInstanceCapacity), from the status it publishes (None, "": no
+    autoscaler status)."""
     try:
         from ray.experimental.internal_kv import _internal_kv_get
 
         raw = _internal_kv_get("__autoscaling_status")
         report = json.loads(raw).get("autoscaler_report") if raw else None
     except Exception:  # noqa: BLE001 - a view: no figure rather than an error
-        return None
+        return None, ""
     if not report:
-        return None
-    return len(report.get("pending_nodes") or []) + sum((report.get("pending_launches") or {}).values())
+        return None, ""
+    pending = len(report.get("pending_nodes") or []) + sum((report.get("pending_launches") or {}).values())
+    records = ((report.get("node_availability_summary") or {}).get("node_availabilities") or {}).items()
+    # Current failures only: while the demand lasts, the autoscaler retries every update (1-5 s).
+    after = max(time.time() - 15, (since or 0) - 1)  # Ray records whole seconds
+    failing = [f"{name}: {(record.get('unavailable_node_information') or {}).get('category', 'unavailable')}"
+               for name, record in sorted(records) if isinstance(record, dict) and not record.get("is_available", True)
+               and float(record.get("last_checked_timestamp") or 0) >= after]
+    return pending, ", ".join(failing)
 
 
 class WaitWatch:
@@ -108,16 +121,18 @@ class WaitWatch:
 
     def _run(self) -> None:
         since = said = shown = None
+        began = time.time()  # since when launch failures are this wait's (the watch's start, or the last wait's end)
         bound = self.scaling.max_wait_s
         while not self._done.wait(self.poll_s):
             try:
-                waiting = observe(self.scaling)
+                waiting = observe(self.scaling, began)
             except Exception as e:  # noqa: BLE001 - the watch is a view: never fail the run over it
                 logger.debug("wait watch: %s", e)
                 continue
             now = time.monotonic()
             if waiting is None:
                 since = said = shown = None
+                began = time.time()
                 continue
             since = since if since is not None else now
             waited = now - since
@@ -125,13 +140,15 @@ class WaitWatch:
             if bound is not None and waited >= bound:
                 self.timed_out = (f"scaling.max_wait_s: waited {waited:.0f} s for {waiting.wanted} workers of "
                                   f"{show_resources(worker_need(self.scaling))} (room for {min(waiting.room, waiting.wanted)} "
-                                  f"on the {waiting.nodes} node(s) up); the run stopped, nothing lost: run it again "
+                                  f"on the {waiting.nodes} node(s) up"
+                                  f"{'; launches failing: ' + waiting.failing if waiting.failing else ''}"
+                                  "); the run stopped, nothing lost: run it again "
                                   "when the cluster has room (--resume auto continues from its last checkpoint)")
                 self._abort()
                 return
             # Nodes pending make a real wait, said at once (a normal start places its group within grace_s);
             # then a line every every_s, and one whenever the room or the autoscaler's launches change.
-            state = (waiting.wanted, waiting.room, waiting.nodes, waiting.pending)
+            state = (waiting.wanted, waiting.room, waiting.nodes, waiting.pending, waiting.failing)
             if (waited >= self.grace_s or waiting.pending) and \
                     (said is None or state != shown or now - said >= self.every_s - self.poll_s / 2):
                 said, shown = now, state

@@ -13,6 +13,9 @@ def test_the_waiting_line():
     assert line == ("waiting for workers: 6 wanted of {CPU: 1}, room for 2 on the 1 node(s) up, 3 node(s) pending "
                     "(waited 20 s of scaling.max_wait_s=60)")
     assert "pending" not in Waiting(2, 0, 1, None).line({"CPU": 1}, 5, None)
+    failing = Waiting(2, 0, 1, 2, "ray.worker.gpu_spot: InsufficientInstanceCapacity").line({"CPU": 1}, 8, None)
+    assert failing == ("waiting for workers: 2 wanted of {CPU: 1}, room for 0 on the 1 node(s) up, 2 node(s) pending, "
+                       "launches failing: ray.worker.gpu_spot: InsufficientInstanceCapacity (waited 8 s)")
 
 
 def test_a_wait_is_said_at_once_while_nodes_are_pending_and_again_when_it_changes(monkeypatch):
@@ -25,7 +28,7 @@ def test_a_wait_is_said_at_once_while_nodes_are_pending_and_again_when_it_change
             Waiting(2, 1, 2, 1), None, Waiting(2, 0, 1, None)]
     done = threading.Event()
 
-    def observe(scaling):
+    def observe(scaling, since=None):
         if not seen:
             done.set()
             return None
