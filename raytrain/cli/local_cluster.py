@@ -88,6 +88,10 @@ class LocalCluster:
                 self.cluster = yaml.safe_load(f) or {}
         except OSError as e:
             raise ConfigError(f"{cluster_yaml}: cannot read it ({e.strerror})") from None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{cluster_yaml}: not YAML ({str(e).splitlines()[0]})") from None
+        if not isinstance(self.cluster, dict):
+            raise ConfigError(f"{cluster_yaml}: a Ray cluster config is a mapping (available_node_types, ...)")
         # short: Ray's socket paths must stay under 107 bytes
         self.base = base or tempfile.mkdtemp(prefix="rtlc", dir="/tmp")
         os.makedirs(self.base, exist_ok=True)
@@ -96,8 +100,11 @@ class LocalCluster:
 
         self.address = f"{get_node_ip_address()}:{port or _free_port()}"
         self.no_capacity_file = os.path.join(self.base, "no_capacity")
-        self.config = twin_config(self.cluster, gcs_address=self.address, worker_cpus=worker_cpus,
-                                  idle_timeout_s=idle_timeout_s, no_capacity_file=self.no_capacity_file)
+        try:
+            self.config = twin_config(self.cluster, gcs_address=self.address, worker_cpus=worker_cpus,
+                                      idle_timeout_s=idle_timeout_s, no_capacity_file=self.no_capacity_file)
+        except ConfigError as e:
+            raise ConfigError(f"{cluster_yaml}: {e}") from None
         self.extra_env = env or {}
         self.proc: subprocess.Popen | None = None
 

@@ -34,6 +34,19 @@ def test_the_twin_is_shaped_like_cluster_yaml():
             if name != HEAD_TYPE} == {"ray.worker.gpu_spot": (0, 8, 2), "ray.worker.gpu_spot_4x": (0, 2, 2)}
 
 
+def test_a_bad_cluster_yaml_is_one_line_and_exit_2(tmp_path, capsys):
+    from raytrain.cli.local_cluster import main
+
+    (tmp_path / "list.yaml").write_text("- a\n- b\n")
+    (tmp_path / "nohead.yaml").write_text("head_node_type: head\navailable_node_types: {spot: {max_workers: 2}}\n")
+    for name, said in [("missing.yaml", "cannot read it (No such file or directory)"),
+                       ("list.yaml", "a Ray cluster config is a mapping"),
+                       ("nohead.yaml", "head_node_type: 'head' is not one of available_node_types (spot)")]:
+        assert main(["up", str(tmp_path / name), "--base", str(tmp_path / "base")]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"error: {tmp_path / name}: {said}") and "\n" not in err, err
+
+
 _HOLD_NODES = r"""
 import sys, time, ray
 from ray.autoscaler.sdk import request_resources
@@ -56,7 +69,7 @@ def _result(spec: dict, proc: subprocess.Popen) -> tuple[dict, str]:
 
 @pytest.mark.ray
 @pytest.mark.timeout(420)
-def test_a_run_on_the_twin_scales_from_zero_waits_bounded_resumes_and_releases(tmp_path):
+def test_a_run_on_the_twin_loses_a_node_waits_bounded_resumes_later_and_releases(tmp_path):
     shape = {"cluster_name": "t", "max_workers": 2, "head_node_type": "head",
              "available_node_types": {"head": {"resources": {"CPU": 0}},
                                       "spot": {"min_workers": 0, "max_workers": 2, "resources": {}}}}
