@@ -91,6 +91,16 @@ class TRLMethods:
     def get_tp_size(self) -> int:
         return 1
 
+    def _set_aux_loss(self, model: Any, args: Any) -> Any:
+        """TRL's MoE router auxiliary loss switch (off for models without router logits); the text config."""
+        text_config = model.config.get_text_config()
+        coef = args.router_aux_loss_coef
+        self.router_aux_loss_coef = getattr(text_config, "router_aux_loss_coef", 0.0) if coef is None else coef
+        if coef and not hasattr(text_config, "output_router_logits"):
+            raise ValueError(f"router_aux_loss_coef: {type(model).__name__} returns no router logits")
+        self.aux_loss_enabled = hasattr(text_config, "output_router_logits") and self.router_aux_loss_coef != 0.0
+        return text_config
+
     @property
     def current_gradient_accumulation_steps(self) -> int:
         return self.args.gradient_accumulation_steps

@@ -136,14 +136,6 @@ class DPOMethods(TRLMethods):
         if "exo_pair" in self.loss_types and self.label_smoothing == 0.0:
             raise ValueError("label_smoothing: must be > 0 for loss_type 'exo_pair' (the EXO paper uses 1e-3)")
 
-    def _set_aux_loss(self, model: Any, args: Any) -> None:
-        text_config = model.config.get_text_config()
-        coef = args.router_aux_loss_coef
-        self.router_aux_loss_coef = getattr(text_config, "router_aux_loss_coef", 0.0) if coef is None else coef
-        if coef and not hasattr(text_config, "output_router_logits"):
-            raise ValueError(f"router_aux_loss_coef: {type(model).__name__} returns no router logits")
-        self.aux_loss_enabled = hasattr(text_config, "output_router_logits") and self.router_aux_loss_coef != 0.0
-
     def _precompute_ref_logps(self, dataset: Any, batch_size: int) -> Any:
         """TRL's precompute_ref_log_probs: the reference's log-probs of every pair, added as two columns (computed
         once where the trainer is built, so every Ray worker gets the same columns)."""

@@ -149,13 +149,8 @@ class SFTMethods(TRLMethods):
         return create_model_from_path(model, **kwargs)
 
     def _init_aux_loss(self, model: Any, args: Any) -> None:
-        """TRL's MoE router auxiliary loss switch (off for models without router logits)."""
-        text_config = model.config.get_text_config()
-        coef = args.router_aux_loss_coef
-        self.router_aux_loss_coef = getattr(text_config, "router_aux_loss_coef", 0.0) if coef is None else coef
-        if coef and not hasattr(text_config, "output_router_logits"):
-            raise ValueError(f"router_aux_loss_coef: {type(model).__name__} returns no router logits")
-        self.aux_loss_enabled = hasattr(text_config, "output_router_logits") and self.router_aux_loss_coef != 0.0
+        """TRL's switch (TRLMethods), which SFT also writes into the model's config."""
+        text_config = self._set_aux_loss(model, args)
         if hasattr(text_config, "router_aux_loss_coef"):
             text_config.output_router_logits = self.aux_loss_enabled
             text_config.router_aux_loss_coef = self.router_aux_loss_coef
