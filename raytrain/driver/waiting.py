@@ -35,18 +35,21 @@ class Waiting:
     pending: int | None  # nodes the autoscaler is launching (None: not known)
     failing: str = ""  # node types whose launches fail now, with the provider's reason
 
+    def where(self) -> str:
+        return f"room for {min(self.room, self.wanted)} on the {self.nodes} node(s) up"
+
     def line(self, need: dict, waited: float, bound: float | None) -> str:
         pending = "" if self.pending is None else f", {self.pending} node(s) pending"
         if self.failing:
             pending += f", launches failing: {self.failing}"
         of = f" of scaling.max_wait_s={bound:g}" if bound else ""
-        return (f"waiting for workers: {self.wanted} wanted of {show_resources(need)}, room for {min(self.room, self.wanted)} "
-                f"on the {self.nodes} node(s) up{pending} (waited {waited:.0f} s{of})")
+        return (f"waiting for workers: {self.wanted} wanted of {show_resources(need)}, {self.where()}{pending} "
+                f"(waited {waited:.0f} s{of})")
 
 
-def observe(scaling, since: float | None = None) -> Waiting | None:
-    """What this job's run waits for now, or None when it does not wait; `since`: when the wait began
-    (time.time()), older launch failures are not this wait's."""
+def observe(scaling, failures_after: float | None = None) -> Waiting | None:
+    """What this job's run waits for now, or None when it does not wait; launch failures recorded before
+    `failures_after` (time.time()) are not this wait's."""
     import ray
     from ray._private.state import state
     from ray.core.generated import gcs_pb2
@@ -71,10 +74,10 @@ def observe(scaling, since: float | None = None) -> Waiting | None:
         wanted = scaling.min_workers if scaling.elastic else scaling.num_workers
         if sum(fits(r, need) for r in nodes) >= wanted:  # the nodes up hold it: Ray Train is starting it
             return None
-    return Waiting(wanted, room, len(nodes), *_autoscaler_view(since))
+    return Waiting(wanted, room, len(nodes), *_autoscaler_view(failures_after))
 
 
-def _autoscaler_view(since: float | None = None) -> tuple[int | None, str]:
+def _autoscaler_view(failures_after: float | None = None) -> tuple[int | None, str]:
     """Nodes the autoscaler is launching, and the node types whose launches fail (with the provider's
     category, e.g. a cloud's InsufficientInstanceCapacity), from the status it publishes (None, "": no
     autoscaler status)."""
@@ -90,7 +93,7 @@ def _autoscaler_view(since: float | None = None) -> tuple[int | None, str]:
     pending = len(report.get("pending_nodes") or []) + sum((report.get("pending_launches") or {}).values())
     records = ((report.get("node_availability_summary") or {}).get("node_availabilities") or {}).items()
     # Current failures only: while the demand lasts, the autoscaler retries every update (1-5 s).
-    after = max(time.time() - 15, (since or 0) - 1)  # Ray records whole seconds
+    after = max(time.time() - 15, (failures_after or 0) - 1)  # Ray records whole seconds
     failing = [f"{name}: {(record.get('unavailable_node_information') or {}).get('category', 'unavailable')}"
                for name, record in sorted(records) if isinstance(record, dict) and not record.get("is_available", True)
                and float(record.get("last_checked_timestamp") or 0) >= after]
@@ -139,8 +142,7 @@ class WaitWatch:
             line = waiting.line(worker_need(self.scaling), waited, bound)
             if bound is not None and waited >= bound:
                 self.timed_out = (f"scaling.max_wait_s: waited {waited:.0f} s for {waiting.wanted} workers of "
-                                  f"{show_resources(worker_need(self.scaling))} (room for {min(waiting.room, waiting.wanted)} "
-                                  f"on the {waiting.nodes} node(s) up"
+                                  f"{show_resources(worker_need(self.scaling))} ({waiting.where()}"
                                   f"{'; launches failing: ' + waiting.failing if waiting.failing else ''}"
                                   "); the run stopped, nothing lost: run it again "
                                   "when the cluster has room (--resume auto continues from its last checkpoint)")

@@ -28,7 +28,7 @@ def test_a_wait_is_said_at_once_while_nodes_are_pending_and_again_when_it_change
             Waiting(2, 1, 2, 1), None, Waiting(2, 0, 1, None)]
     done = threading.Event()
 
-    def observe(scaling, since=None):
+    def observe(scaling, failures_after=None):
         if not seen:
             done.set()
             return None
