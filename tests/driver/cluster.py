@@ -24,17 +24,12 @@ import tempfile
 import time
 
 from raytrain import TrainerCallback
+from raytrain.cli.local_cluster import _free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Ray notices a lost node in about 2 s instead of 15 (read by the GCS only).
 FAST_HEALTH_CHECKS = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "2",
                       "RAY_health_check_timeout_ms": "1000", "RAY_health_check_initial_delay_ms": "1000"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 def _free_range(n: int = 60) -> tuple[int, int]:
