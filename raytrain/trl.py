@@ -1,5 +1,5 @@
-"""TRL's SFTTrainer / SFTConfig and DPOTrainer / DPOConfig on raytrain's Trainer: a TRL 1.16 script runs with
-`from trl import ...` changed to `from raytrain.trl import ...` (needs the trl extra)."""
+"""TRL's SFTTrainer / SFTConfig, DPOTrainer / DPOConfig and GRPOTrainer / GRPOConfig on raytrain's Trainer: a
+TRL 1.16 script runs with `from trl import ...` changed to `from raytrain.trl import ...` (needs the trl extra)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,15 @@ from .hf.trl.dpo import DPOMethods
 from .hf.trl.sft import SFTMethods
 from .trainer import Trainer
 
-__all__ = ["DPOConfig", "DPOTrainer", "SFTConfig", "SFTTrainer"]
+__all__ = ["DPOConfig", "DPOTrainer", "GRPOConfig", "SFTConfig", "SFTTrainer"]
 
 _BASE = {f.name for f in dataclasses.fields(TrainingArguments)}
 
 
 def _post_init(kind: str, own: tuple[str, ...]):
-    normalize = {"sft": _trl.normalize_sft, "dpo": _trl.normalize_dpo}[kind]
+    normalize = {"sft": _trl.normalize_sft, "dpo": _trl.normalize_dpo, "grpo": _trl.normalize_grpo,
+                 "rloo": _trl.normalize_grpo}[kind]
+    settle = _trl.settle_grpo if kind in ("grpo", "rloo") else None
 
     def __post_init__(self) -> None:
         if self.bf16 is None:  # TRL's default: bf16 unless fp16 (autocast on the CPU too)
@@ -26,6 +28,8 @@ def _post_init(kind: str, own: tuple[str, ...]):
         normalize(self)  # first: deprecated names (bfd-requeue) become current ones
         _trl.check_choices(self, own)
         TrainingArguments.__post_init__(self)
+        if settle is not None:  # after: it needs the checked batch sizes and the world size
+            settle(self)
     return __post_init__
 
 
@@ -41,6 +45,7 @@ def _config(name: str, kind: str) -> type:
 
 SFTConfig = _config("SFTConfig", "sft")
 DPOConfig = _config("DPOConfig", "dpo")
+GRPOConfig = _config("GRPOConfig", "grpo")
 
 
 class SFTTrainer(SFTMethods, Trainer):
@@ -56,7 +61,7 @@ class DPOTrainer(DPOMethods, Trainer):
 
 
 def __getattr__(name: str) -> Any:
-    raise AttributeError(f"raytrain.trl has no {name!r}; it exports {', '.join(__all__)} (GRPO is not supported)")
+    raise AttributeError(f"raytrain.trl has no {name!r}; it exports {', '.join(__all__)}")
 
 
 def config_from_yaml(path: str, overrides: list[str]) -> TrainingArguments | None:

@@ -1,5 +1,6 @@
-"""TRL 1.16's SFTConfig / DPOConfig fields, read from the installed trl: raytrain.trl adds them to TrainingArguments
-with TRL's names, defaults and help, so a config keeps its meaning."""
+"""TRL 1.16's SFTConfig / DPOConfig / GRPOConfig / RLOOConfig fields, read from the installed trl: raytrain.trl adds
+them to TrainingArguments with TRL's names, defaults and help, and checks them as TRL's __post_init__ does, so a
+config keeps its meaning."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ from typing import Any
 
 try:
     import trl
-    from trl import DPOConfig as _DPOConfig, SFTConfig as _SFTConfig
+    from trl import DPOConfig as _DPOConfig, GRPOConfig as _GRPOConfig, RLOOConfig as _RLOOConfig, \
+        SFTConfig as _SFTConfig
 except ImportError as e:  # one line naming the package to install
     raise ImportError(f"raytrain.trl needs trl>=1.16 ({e.name} is missing): pip install 'raytrain[trl]'") from None
 
@@ -17,14 +19,17 @@ TRL_VERSION = trl.__version__
 
 # Fields of transformers' TrainingArguments whose default TRL changes (its _BaseConfig and each config).
 _CHANGED = ("learning_rate", "logging_steps", "gradient_checkpointing", "bf16", "lr_scheduler_kwargs", "disable_tqdm")
+_CLASSES = {"sft": _SFTConfig, "dpo": _DPOConfig, "grpo": _GRPOConfig, "rloo": _RLOOConfig}
+# ... and per config: GRPO / RLOO keep the dataset's other columns for the reward functions
+_CHANGED_BY = {"grpo": ("remove_unused_columns",), "rloo": ("remove_unused_columns",)}
 
 
 def trl_fields(kind: str, base_names: set[str]) -> list[tuple[str, Any, dataclasses.Field]]:
     """(name, type, field) for make_dataclass: TRL's own fields (not in `base_names`) and the changed defaults."""
-    cls = {"sft": _SFTConfig, "dpo": _DPOConfig}[kind]
+    changed = _CHANGED + _CHANGED_BY.get(kind, ())
     out = []
-    for f in dataclasses.fields(cls):
-        if f.name in base_names and f.name not in _CHANGED:
+    for f in dataclasses.fields(_CLASSES[kind]):
+        if f.name in base_names and f.name not in changed:
             continue
         help_text = str(f.metadata.get("help", "")).replace("%%", "%")
         meta = {"help": help_text, **({"choices": f.metadata["choices"]} if "choices" in f.metadata else {})}
@@ -83,3 +88,61 @@ def normalize_dpo(args: Any) -> None:
         raise ValueError(f"loss_weights: {len(args.loss_weights)} weights for {len(args.loss_type)} loss types; "
                          "give one weight per loss_type")
     _normalize_common(args)
+
+
+def normalize_grpo(args: Any) -> None:
+    """What GRPOConfig / RLOOConfig.__post_init__ do to their own fields before TrainingArguments' checks."""
+    s = object.__setattr__
+    pad = args.pad_to_multiple_of
+    if isinstance(pad, str) and pad != "auto":
+        s(args, "pad_to_multiple_of", None if pad.lower() in ("none", "null") else int(pad))
+    if args.pad_to_multiple_of == "auto":  # 128 on Neuron only; raytrain runs no Neuron
+        s(args, "pad_to_multiple_of", None)
+    if args.use_transformers_paged:
+        warnings.warn("use_transformers_paged is deprecated: use use_transformers_continuous_batching",
+                      FutureWarning, stacklevel=4)
+        s(args, "use_transformers_continuous_batching", True)
+    if hasattr(args, "scale_rewards"):
+        s(args, "scale_rewards", {True: "group", False: "none"}.get(args.scale_rewards, args.scale_rewards))
+    if getattr(args, "vllm_importance_sampling_cap", None) is not None:
+        warnings.warn("vllm_importance_sampling_cap is deprecated: use vllm_importance_sampling_clip_max",
+                      FutureWarning, stacklevel=4)
+        s(args, "vllm_importance_sampling_clip_max", args.vllm_importance_sampling_cap)
+    if args.auto_find_batch_size:
+        raise ValueError("auto_find_batch_size: not supported by GRPO / RLOO (a smaller batch would split the "
+                         "num_generations completions of a prompt); lower per_device_train_batch_size instead")
+
+
+def settle_grpo(args: Any) -> None:
+    """GRPOConfig / RLOOConfig's batch arithmetic, after TrainingArguments' checks (it needs the world size:
+    the Ray workers of `scaling`, or the process group's)."""
+    s, world = object.__setattr__, args.world_size
+    per_step = args.per_device_train_batch_size * world
+    gen, spg = args.generation_batch_size, args.steps_per_generation
+    if gen is not None and spg is not None and gen != per_step * spg:
+        raise ValueError(f"generation_batch_size ({gen}) and steps_per_generation ({spg}): set only one of them")
+    if gen is None and spg is None:
+        spg = args.gradient_accumulation_steps
+    elif spg is None:
+        if gen % per_step:
+            raise ValueError(f"generation_batch_size: {gen} is not divisible by the global batch size "
+                             f"({args.per_device_train_batch_size} x {world} processes)")
+        spg = gen // per_step
+    s(args, "steps_per_generation", spg)
+    s(args, "generation_batch_size", per_step * spg)
+    if args.do_eval and args.eval_strategy != "no":
+        n = args.num_generations_eval or args.num_generations
+        if args.per_device_eval_batch_size * world % n:
+            raise ValueError(f"per_device_eval_batch_size: the global eval batch ({args.per_device_eval_batch_size} "
+                             f"x {world}) is not divisible by the generations per prompt in evaluation ({n})")
+    if args.generation_batch_size % args.num_generations:
+        raise ValueError(f"num_generations: the generation batch ({args.generation_batch_size}) is not divisible by "
+                         f"num_generations ({args.num_generations})")
+    if args.num_generations < 2:
+        raise ValueError(f"num_generations: at least 2 completions per prompt are needed for the advantages, got "
+                         f"{args.num_generations}")
+    if getattr(args, "log_completions_hub_repo", None) is not None and not args.log_completions:
+        raise ValueError("log_completions_hub_repo: set, but log_completions is False")
+    lo, hi = getattr(args, "vllm_importance_sampling_clip_min", None), getattr(args, "vllm_importance_sampling_clip_max", None)
+    if lo is not None and hi is not None and lo >= hi:
+        raise ValueError(f"vllm_importance_sampling_clip_min: {lo} is not below vllm_importance_sampling_clip_max ({hi})")
