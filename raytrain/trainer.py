@@ -242,10 +242,11 @@ class Trainer(HFOverridePoints, ExampleScriptMethods):
         return self._build_source(test_dataset, self.args.per_device_eval_batch_size, "test_dataset",
                                   shuffle=False, training=False)
 
-    def _build_source(self, dataset, batch_size: int, name: str, shuffle: bool, training: bool):
+    def _build_source(self, dataset, batch_size: int, name: str, shuffle: bool, training: bool, sampler=None):
         """A torch DataLoader (data/loaders.RankLoader) over a source for `dataset` as HF prepares it;
         evaluation sources are built (and checked) once per dataset and batch size, and reused. As HF, a
-        new loader each call, but one kept per dataset with dataloader_persistent_workers."""
+        new loader each call, but one kept per dataset with dataloader_persistent_workers. `sampler`: a
+        subclass's own (HF's _get_train_sampler), whose order the rows keep, handed over as they are."""
         from .data.build import model_inputs
         from .data.loaders import RankLoader, build_loader, prepare_dataset
         args, strategy = self.args, self.get_strategy()
@@ -258,8 +259,8 @@ class Trainer(HFOverridePoints, ExampleScriptMethods):
             return RankLoader(hit[1].source, hit[1].dataset, args.dataloader_num_workers)
         input_name = (getattr(self.processing_class, "model_input_names", None) or ["input_ids"])[0]
         own = getattr(self, "_signature_columns", None)  # HF's: a trainer that names its columns builds its inputs
-        prepared = prepare_dataset(dataset, self.model, args, name, own)
-        source = build_loader(prepared, batch_size, args,
+        prepared = prepare_dataset(dataset, self.model, args, name, own, rename_labels=sampler is None)
+        source = build_loader(prepared, batch_size, args, sampler=sampler,
                               seed=args.data_seed if args.data_seed is not None else args.seed,
                               drop_last=args.dataloader_drop_last, shuffle=shuffle,  # evaluation's too, as HF
                               rank=strategy.dp_rank, world_size=strategy.dp_size, collate_fn=self.data_collator,
@@ -444,6 +445,14 @@ class Trainer(HFOverridePoints, ExampleScriptMethods):
     def prepare_inputs(self, inputs: dict) -> dict:
         """The batch on this rank's device, by HF's overridable _prepare_inputs."""
         return self._prepare_inputs(inputs)
+
+    def rank_state(self) -> dict | None:
+        """What a subclass keeps on this rank between steps (GRPO's rollout buffer): saved in each checkpoint as
+        plain data and tensors (trainer_rank_state[_R].pth); None: nothing."""
+        return None
+
+    def load_rank_state(self, state: dict | None) -> None:
+        """rank_state()'s value back on resume (None: the checkpoint has none for this rank)."""
 
     def report_to_trial(self, trial, metrics: dict, checkpoint_dir: str | None = None) -> None:
         """An evaluation's metrics (and the checkpoint saved with them) to a sweep's trial reporter."""

@@ -9,6 +9,7 @@ from typing import Any
 from .config.args import TrainingArguments
 from .hf.trl import config as _trl
 from .hf.trl.dpo import DPOMethods
+from .hf.trl.grpo import GRPOMethods
 from .hf.trl.sft import SFTMethods
 from .trainer import Trainer
 
@@ -58,6 +59,13 @@ class DPOTrainer(DPOMethods, Trainer):
     """TRL's DPOTrainer (same arguments, dataset preparation, losses and metrics) on raytrain's loop."""
 
     config_class = DPOConfig
+
+
+class GRPOTrainer(GRPOMethods, Trainer):
+    """TRL's GRPOTrainer (same arguments, sampler, generation, rewards, advantages, losses and metrics) on raytrain's
+    loop, resumed exactly: checkpoints hold the rollout buffer and its position."""
+
+    config_class = GRPOConfig
 
 
 def __getattr__(name: str) -> Any:

@@ -26,7 +26,7 @@ from .build import build_source
 from .columns import default_collate
 from .errors import DataError
 from .prefetch import timed_batches
-from .sources import MapSource, group_by_length, hf_order
+from .sources import MapSource, group_by_length, hf_order, sampler_order
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +35,10 @@ def build_loader(data: Any, batch_size: int, args: Any, **kw) -> Any:
     """The source of `data` for this rank: IterableSource for iterable datasets, else build_source
     (wrapped in a WorkerPool when args.dataloader_num_workers > 0). args.data_order "hf" gives shuffled
     map-style data HF's order; an iterable dataset is read in stream order either way, as HF reads it.
-    grouped_by_length(args) groups shuffled map-style data by `input_name`'s length (HF's LengthGroupedSampler)."""
+    grouped_by_length(args) groups shuffled map-style data by `input_name`'s length (HF's LengthGroupedSampler).
+    `sampler` (a Trainer's own torch Sampler, e.g. TRL's RepeatSampler) gives the order instead."""
     input_name = kw.pop("input_name", "input_ids")
+    sampler = kw.pop("sampler", None)
     if isinstance(data, torch.utils.data.IterableDataset):
         if kw.get("shuffle", True) and grouped_by_length(args):
             logger.warning("group_by_length is ignored for %s: an iterable dataset is read in its own order (as HF)",
@@ -47,11 +49,13 @@ def build_loader(data: Any, batch_size: int, args: Any, **kw) -> Any:
     # training for max_steps needs no epoch length: a ray Dataset of unknown count streams beside (ray_data.py)
     length_optional = kw.get("name") == "train_dataset" and getattr(args, "max_steps", 0) > 0
     source = build_source(data, batch_size, length_optional=length_optional, **kw)
-    if kw.get("shuffle", True) and getattr(args, "data_order", "raytrain") == "hf":
+    if sampler is not None:
+        sampler_order(source, sampler)
+    elif kw.get("shuffle", True) and getattr(args, "data_order", "raytrain") == "hf":
         hf_order(source)
     elif getattr(args, "data_order", "raytrain") == "hf" and isinstance(source, MapSource):
         source.data_order = "hf"  # in order, but each pass draws torch's DataLoader seed as HF's evaluation does
-    if kw.get("shuffle", True) and grouped_by_length(args):
+    if kw.get("shuffle", True) and grouped_by_length(args) and sampler is None:
         group_by_length(source, batch_size * args.gradient_accumulation_steps, args.length_column_name, input_name)
     workers = getattr(args, "dataloader_num_workers", 0)
     if workers and hasattr(source, "batch_indices") and hasattr(source, "fetch"):
@@ -68,10 +72,12 @@ def grouped_by_length(args: Any) -> bool:
         bool(getattr(args, "group_by_length", False))
 
 
-def prepare_dataset(data: Any, model: Any, args: Any, name: str, signature: list[str] | None = None) -> Any:
+def prepare_dataset(data: Any, model: Any, args: Any, name: str, signature: list[str] | None = None,
+                    rename_labels: bool = True) -> Any:
     """A datasets.Dataset (or streaming IterableDataset) as HF's Trainer prepares it: unused columns
     dropped (remove_unused_columns; `signature`: the Trainer's own _signature_columns, as HF's), `label` /
-    `label_ids` renamed to `labels`. Other inputs are returned unchanged."""
+    `label_ids` renamed to `labels` (HF's collator does; rows handed to a trainer's own code keep them, as HF's
+    identity collator does). Other inputs are returned unchanged."""
     if not (hf.is_datasets_object(data) and hasattr(data, "remove_columns")):
         return data
     columns = list(getattr(data, "column_names", None) or [])  # None for a stream without features
@@ -88,7 +94,7 @@ def prepare_dataset(data: Any, model: Any, args: Any, name: str, signature: list
                         type(model).__name__)
             data = data.remove_columns(unused)
             columns = [c for c in columns if c not in unused]
-    if "labels" not in columns:
+    if rename_labels and "labels" not in columns:
         alias = next((a for a in hf.LABEL_ALIASES if a in columns), None)
         if alias is not None:
             data = data.rename_column(alias, "labels")

@@ -11,12 +11,17 @@ torch.randperm under a generator seeded with seed + epoch (accelerate's Seedable
 cut and resumed as above. As torch's DataLoader, each epoch's start draws one number from torch's global
 generator, so that dropout and NEFTune noise draw HF's random numbers too.
 
+A sampler's order (sampler_order: a Trainer's own `_get_train_sampler`, e.g. TRL's RepeatSampler): the epoch's
+order is the sampler's pass for that epoch (pass e + 1 of the sampler as built, as one DataLoader iterated once per
+epoch gives it; indices may repeat), cut and resumed as above; each epoch's start draws torch's DataLoader seed.
+
 group_by_length (group_by_length): the epoch's order (either one) is then grouped as HF's LengthGroupedSampler
 groups its permutation: megabatches sorted by length, longest first; cut, sharded and resumed as above.
 """
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -68,11 +73,15 @@ class MapSource:
         self.data_order = "raytrain"  # "hf": HF's sampler order (hf_order)
         self.lengths: np.ndarray | None = None  # each sample's length, when grouped by it (group_by_length)
         self.length_batch = 0  # HF's batch_size of LengthGroupedSampler: a megabatch is 50 (at most) of them
+        self.sampler: Any = None  # a torch Sampler giving the order (sampler_order)
+        self._sampled: tuple[int, torch.Tensor] | None = None  # (epoch, its order): a pass is replayed once
 
     def __len__(self) -> int:
         return self._num_batches
 
     def order(self, epoch: int) -> torch.Tensor:
+        if self.sampler is not None:
+            return self._sampler_pass(epoch)
         if not self.shuffle:
             return torch.arange(self.num_samples)
         if self.data_order == "hf":  # RandomSampler.__iter__ under SeedableRandomSampler's seeding
@@ -81,6 +90,17 @@ class MapSource:
             order = torch.from_numpy(seeded_rng(self.seed, epoch).permutation(self.num_samples))
         return order if self.lengths is None else length_grouped(order, self.lengths, self.length_batch)
 
+    def _sampler_pass(self, epoch: int) -> torch.Tensor:
+        if self._sampled is None or self._sampled[0] != epoch:
+            sampler = copy.copy(self.sampler)  # its generator as it was built: passes 0..epoch replayed
+            if isinstance(getattr(sampler, "generator", None), torch.Generator):
+                sampler.generator = torch.Generator().set_state(self.sampler.generator.get_state())
+            for _ in range(epoch):
+                for _ in sampler:
+                    pass
+            self._sampled = (epoch, torch.tensor(list(sampler), dtype=torch.long))
+        return self._sampled[1]
+
     def batch_indices(self, epoch: int, batch: int, order: torch.Tensor | None = None) -> torch.Tensor:
         order = self.order(epoch) if order is None else order
         lo, hi = rank_span(batch, self._num_batches, self._used, self.batch_size, self.world_size, self.rank)
@@ -88,7 +108,7 @@ class MapSource:
 
     def iter_batches(self, epoch: int, start: int = 0) -> Iterator[dict[str, torch.Tensor]]:
         """Batches of `epoch` from batch index `start` on: the skip is an index, not a replay."""
-        if self.data_order == "hf" and start == 0:  # as torch's DataLoader draws its base seed from the global
+        if self.data_order in ("hf", "sampler") and start == 0:  # as torch's DataLoader draws its base seed from the global
             torch.empty((), dtype=torch.int64).random_()  # generator: HF's random stream (dropout, NEFTune)
         order = self.order(epoch)
         gen = (self.fetch(self.batch_indices(epoch, b, order)) for b in range(start, self._num_batches))
@@ -137,6 +157,8 @@ class MapSource:
             state["data_order"] = self.data_order
         if self.lengths is not None:
             state["group_by_length"] = self.length_batch
+        if self.sampler is not None:
+            state["sampler"] = type(self.sampler).__name__
         return state
 
 
@@ -154,6 +176,21 @@ def hf_order(source: Any) -> None:
                         "accelerate fills with samples from the start of the epoch and raytrain does not; set "
                         "dataloader_drop_last=true, or data_order='raytrain'")
     source.data_order = "hf"
+
+
+def sampler_order(source: Any, sampler: Any) -> None:
+    """Give a map-style source `sampler`'s order (its passes, one per epoch), and HF's DataLoader seed draws. The
+    sampler is replayed from its state now: its randomness must be a `generator` attribute (torch.Generator)."""
+    if not isinstance(source, MapSource):
+        raise DataError(f"{source.name} ({source.where}): a sampler orders the rows of an in-memory dataset; this one "
+                        "is streamed; pass the data in memory (a datasets.Dataset, or Files(..., stream=False))")
+    source.sampler = copy.copy(sampler)
+    if isinstance(getattr(sampler, "generator", None), torch.Generator):
+        source.sampler.generator = torch.Generator().set_state(sampler.generator.get_state())
+    source.num_samples = len(sampler)
+    source._num_batches, source._used = plan_epoch(source.num_samples, source.batch_size, source.world_size,
+                                                   source.drop_last, source.name)
+    source.data_order = "sampler"
 
 
 def group_by_length(source: Any, batch_size: int, length_column: str = "length",

@@ -101,6 +101,34 @@ class Accelerator:
     def gather_for_metrics(self, tensor: Any) -> Any:
         return self.gather(tensor)
 
+    def reduce(self, tensor: torch.Tensor, reduction: str = "sum") -> torch.Tensor:
+        """A tensor summed (or averaged: "mean") over the processes, as accelerate's reduce."""
+        if not _live():
+            return tensor
+        out = tensor.clone()
+        dist.all_reduce(out)
+        return out / dist.get_world_size() if reduction == "mean" else out
+
+    def pad_across_processes(self, tensor: torch.Tensor, dim: int = 0, pad_index: int = 0,
+                             pad_first: bool = False) -> torch.Tensor:
+        """`tensor` padded along `dim` with pad_index to the longest of the processes' (accelerate's)."""
+        if not _live():
+            return tensor
+        size = torch.tensor([tensor.shape[dim]], device=tensor.device)
+        longest = int(self.gather(size).max())
+        if longest == tensor.shape[dim]:
+            return tensor
+        shape = list(tensor.shape)
+        shape[dim] = longest - tensor.shape[dim]
+        filler = tensor.new_full(shape, pad_index)
+        return torch.cat([filler, tensor] if pad_first else [tensor, filler], dim=dim)
+
+    @property
+    def sync_gradients(self) -> bool:
+        """Whether this micro-batch's backward ends the accumulation window (a trainer that needs it, TRL's
+        GRPO, says so in `_sync_gradients`)."""
+        return bool(getattr(self._trainer, "_sync_gradients", True))
+
     def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True) -> torch.nn.Module:
         """The user's module inside DDP / DeepSpeed / torch.compile wrappers."""
         return unwrap_model(model)

@@ -126,6 +126,8 @@ def _flag_last(batches):
 
 
 def _batch_size(batch) -> int | None:
+    if isinstance(batch, list):  # rows a trainer's own code prepares (GRPO's prompts)
+        return len(batch)
     first = next((v for v in batch.values() if isinstance(v, torch.Tensor) and v.dim()), None)
     return None if first is None else first.shape[0]
 

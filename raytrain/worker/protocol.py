@@ -93,6 +93,13 @@ class TrainerProtocol(Protocol):
     def prepare_inputs(self, inputs: dict) -> dict:
         """The batch on this rank's device, by HF's overridable _prepare_inputs."""
 
+    def rank_state(self) -> dict | None:
+        """What the Trainer keeps on this rank between steps (plain data and tensors; None: nothing), saved
+        with each checkpoint."""
+
+    def load_rank_state(self, state: dict | None) -> None:
+        """rank_state()'s value back when resuming (None: the checkpoint holds none for this rank)."""
+
     def optimizer_factory(self, num_training_steps: int) -> Callable[[torch.nn.Module], torch.optim.Optimizer]:
         """What the strategy calls with the placed model: create_optimizer (or an overridden
         create_optimizer_and_scheduler)."""

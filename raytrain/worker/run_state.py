@@ -9,6 +9,8 @@ A checkpoint, piece by piece (file: what it holds; who writes it):
     data_state.json                      the data position and the order's identity (rank 0)
     loop_state.json                      the loop's accumulators: unlogged loss, grad norm ... (rank 0)
     rng_state.pth | rng_state_{rank}.pth Python, NumPy, torch CPU and CUDA generators (every rank)
+    trainer_rank_state[_{rank}].pth      what the Trainer keeps between steps (rank_state(): GRPO's rollout
+                                         buffer and its position), when it keeps anything (every rank)
     training_args.json, HF's files       for people and from_pretrained; never read back
 Saving builds them all at one step boundary; restoring reads them all (read_states, read_files)
 before it changes anything (apply). Which checkpoint, and what is checked, is resume.py's business.
@@ -170,6 +172,10 @@ def load_rng_state(state: dict) -> None:
             torch.cuda.set_rng_state(cuda_state, device)
 
 
+def rank_state_file(strategy) -> str:
+    return "trainer_rank_state.pth" if strategy.world_size == 1 else f"trainer_rank_state_{strategy.rank}.pth"
+
+
 def _tuplify(x):
     return tuple(_tuplify(v) for v in x) if isinstance(x, (list, tuple)) else x
 
@@ -198,7 +204,11 @@ def save(run: RunState, epoch_finished: bool) -> str | None:
         if peft is not None:
             adapters.save_adapter(peft, weights, tmp)
 
-    payload = ckpt.CheckpointPayload(pickles={rng_file(strategy): rng_state()},
+    pickles = {rng_file(strategy): rng_state()}
+    kept = trainer.rank_state()
+    if kept is not None:
+        pickles[rank_state_file(strategy)] = kept
+    payload = ckpt.CheckpointPayload(pickles=pickles,
                                      sharded_writer=strategy.save_sharded if strategy.has_sharded_state else None,
                                      extra_files=extra_files)
     weights = strategy.model_state_dict(trainable_only=peft is not None)  # a collective for sharded backends
@@ -246,6 +256,7 @@ class SavedState:
     scheduler: Any = None
     scaler: Any = None                    # None: not saved (the run did not use fp16) or not needed
     rng: Any = None                       # None: no file for this rank (the run had another world size)
+    rank_state: Any = None                # the Trainer's own (rank_state()); None: not saved for this rank
 
     def file(self, name: str) -> str:
         return os.path.join(self.path, name)
@@ -270,6 +281,8 @@ def read_files(run: RunState, saved: SavedState, manifest: dict | None) -> None:
         saved.scaler = ckpt.load_pickle(file(SCALER))
     rng = file(rng_file(strategy))
     saved.rng = ckpt.load_pickle(rng) if os.path.exists(rng) else None
+    kept = file(rank_state_file(strategy))
+    saved.rank_state = ckpt.load_pickle(kept) if os.path.exists(kept) else None
 
 
 def apply(run: RunState, saved: SavedState) -> None:
@@ -287,6 +300,7 @@ def apply(run: RunState, saved: SavedState) -> None:
     load_data_state(run, saved.data)
     if saved.rng is not None:
         load_rng_state(saved.rng)
+    run.trainer.load_rank_state(saved.rank_state)
 
 
 def _apply(path: str, load: Any, state: Any) -> None:

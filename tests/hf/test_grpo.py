@@ -65,3 +65,63 @@ def test_config_refusals_are_one_line(tmp_path, kw, message):
     with pytest.raises(ValueError, match=message) as e:
         rt.GRPOConfig(str(tmp_path), use_cpu=True, **kw)
     assert "\n" not in str(e.value)
+
+
+GRPO_CASES = {  # every combination of num_iterations 1 / 2, beta 0 / 0.04, full fine-tuning / LoRA; TRL's options spread
+    "full-iter1-beta0": dict(num_iterations=1, beta=0.0, peft=False, loss_type="grpo", with_reward_model=True),
+    "full-iter1-beta0.04": dict(num_iterations=1, beta=0.04, peft=False, conversational=False, loss_type="bnpo",
+                                top_entropy_quantile=0.5),
+    "full-iter2-beta0": dict(num_iterations=2, beta=0.0, peft=False, steps_per_generation=4, scale_rewards="none",
+                             multi_objective_aggregation="normalize_then_sum"),
+    "full-iter2-beta0.04": dict(num_iterations=2, beta=0.04, peft=False, steps_per_generation=4,
+                                scale_rewards="batch", temperature=0.7, top_k=20),
+    "lora-iter1-beta0": dict(num_iterations=1, beta=0.0, peft=True, loss_type="cispo", entropy_coef=0.01),
+    "lora-iter1-beta0.04": dict(num_iterations=1, beta=0.04, peft=True, conversational=False, loss_type="dr_grpo",
+                                importance_sampling_level="sequence", top_p=0.9),
+    "lora-iter2-beta0": dict(num_iterations=2, beta=0.0, peft=True, steps_per_generation=4, epsilon_high=0.28,
+                             reward_weights=[1.0, 0.5, 2.0], mask_truncated_completions=True),
+    "lora-iter2-beta0.04": dict(num_iterations=2, beta=0.04, peft=True, steps_per_generation=4, loss_type="sapo",
+                                use_adaptive_entropy=True, entropy_target=5.0),
+}
+
+
+def _pair(tmp_path, tiny, **kw):
+    out = {}
+    for lib in ("trl", "rt"):
+        recorder = jobs.Recorder()
+        t = jobs.trainer(lib, str(tmp_path / lib), tiny, recorder=recorder, **kw)
+        t.train()
+        out[lib] = (t, recorder)
+    return out
+
+
+def _same_run(pair) -> None:
+    (theirs, their_calls), (ours, our_calls) = pair["trl"], pair["rt"]
+    first_theirs, first_ours = their_calls.calls[0], our_calls.calls[0]
+    assert first_ours["step"] == first_theirs["step"] == 0
+    assert first_ours["prompts"] == first_theirs["prompts"]
+    assert first_ours["completion_ids"] == first_theirs["completion_ids"]  # the same sampled tokens at step 1
+    assert first_ours["rewards"] == first_theirs["rewards"]
+    assert [c["completion_ids"] for c in our_calls.calls] == [c["completion_ids"] for c in their_calls.calls]
+    assert len(our_calls.calls) >= 3
+    _close(jobs.steps(ours), jobs.steps(theirs))
+    logged = set().union(*jobs.steps(ours))
+    assert {"reward", "reward_std", "frac_reward_zero_std", "entropy", "completions/mean_length",
+            "completions/clipped_ratio", "num_tokens"} <= logged
+
+
+@pytest.mark.parametrize("case", list(GRPO_CASES))
+def test_grpo_matches_trl_step_for_step(tmp_path, tiny, case):
+    """10 steps: the same completions (every generation batch), rewards, losses, grad norms and TRL's metrics."""
+    kw = GRPO_CASES[case]
+    pair = _pair(tmp_path, tiny, **kw)
+    _same_run(pair)
+    logged = set().union(*jobs.steps(pair["rt"][0]))
+    assert {"rewards/length/mean", "rewards/digits/std", "rewards/spaces/mean"} <= logged
+    assert ("kl" in logged) == (kw["beta"] != 0.0)
+    if kw.get("loss_type", "dapo") in ("grpo", "bnpo", "dr_grpo", "dapo"):
+        assert {"clip_ratio/low_mean", "clip_ratio/region_mean", "clip_ratio/high_max"} <= logged
+    if kw.get("with_reward_model"):
+        assert {"rewards/tiny-reward/mean", "rewards/tiny-reward/std"} <= logged
+    if kw.get("use_adaptive_entropy"):
+        assert "entropy_coef" in logged
