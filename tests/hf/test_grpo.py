@@ -125,3 +125,69 @@ def test_grpo_matches_trl_step_for_step(tmp_path, tiny, case):
         assert {"rewards/tiny-reward/mean", "rewards/tiny-reward/std"} <= logged
     if kw.get("use_adaptive_entropy"):
         assert "entropy_coef" in logged
+
+
+KILLED = dict(max_steps=10, num_iterations=2, beta=0.04, peft=True, steps_per_generation=4, logging_steps=2,
+              save_strategy="steps", save_steps=3)
+
+
+def _killed_main(out: str, tiny: str, threads: int) -> None:
+    """The process the SIGKILL test kills (a fresh interpreter), on the test's thread count."""
+    import torch
+
+    torch.set_num_threads(threads)
+    jobs.trainer("rt", out, tiny, **KILLED).train()
+
+
+def test_sigkill_mid_buffer_then_resume_is_bit_exact_and_the_adapter_loads(tmp_path, tiny):
+    """num_iterations=2, steps_per_generation 4 > gradient_accumulation_steps 2: a generation batch serves 4 steps.
+    Killed while checkpoint-6 is written, the run resumes from checkpoint-3, in the middle of a generation batch's
+    second iteration (logging every 2 steps: step 3's metrics not yet logged). It continues with the saved rollout
+    buffer, not new completions, and ends with the uninterrupted run's completions, rewards, losses, metrics and
+    adapter; checkpoint-3 and final/ load with PeftModel.from_pretrained."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+    from peft import PeftModel, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    from raytrain import get_last_checkpoint
+    from raytrain.checkpoint import io as checkpoint_io
+    from tests.tiny import kill_when_paused
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    out, flag = tmp_path / "run", tmp_path / "paused"
+    env = {**os.environ, checkpoint_io.PAUSE_ENV: f"{flag}@6", "PYTHONPATH": root}
+    code = (f"from tests.hf.test_grpo import _killed_main; "
+            f"_killed_main({str(out)!r}, {tiny!r}, {torch.get_num_threads()})")
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=root, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    kill_when_paused(proc, flag, "the save of step 6", seconds=240)
+    assert get_last_checkpoint(str(out)) == str(out / "checkpoint-3")
+    assert "trainer_rank_state.pth" in os.listdir(out / "checkpoint-3")
+
+    reference_calls, resumed_calls = jobs.Recorder(), jobs.Recorder()
+    reference = jobs.trainer("rt", str(tmp_path / "ref"), tiny, recorder=reference_calls,
+                             **{**KILLED, "save_strategy": "no"})
+    reference.train()
+    resumed = jobs.trainer("rt", str(out), tiny, recorder=resumed_calls, **KILLED)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.state.global_step == 10
+    # generation batches at steps 0, 4, 8: the resumed run generates at 4 and 8 only (step 3 trains on the buffer)
+    assert [c["step"] for c in reference_calls.calls] == [0, 4, 8]
+    assert [(c["step"], c["completion_ids"], c["rewards"]) for c in resumed_calls.calls] == \
+        [(c["step"], c["completion_ids"], c["rewards"]) for c in reference_calls.calls[1:]]
+    assert jobs.steps(resumed) == jobs.steps(reference)  # exactly: losses, rewards, kl, every metric
+    logs = jobs.steps(resumed)
+    assert [e["step"] for e in logs] == [2, 4, 6, 8, 10] and "reward" in logs[2]  # step 5 generated
+    assert {"kl", "entropy", "loss"} <= set(logs[1])  # step 4's log: the mean of steps 3 (saved unlogged) and 4
+    want, got = get_peft_model_state_dict(reference.model), get_peft_model_state_dict(resumed.model)
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    resumed.save_model(str(tmp_path / "final"))
+    for path in (out / "checkpoint-3", tmp_path / "final"):
+        loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny), str(path))
+        assert set(get_peft_model_state_dict(loaded)) == set(got)
+    loaded = get_peft_model_state_dict(loaded)
+    assert all(torch.equal(v, loaded[k]) for k, v in got.items())
