@@ -1,5 +1,6 @@
-"""TRL's SFTTrainer / SFTConfig, DPOTrainer / DPOConfig and GRPOTrainer / GRPOConfig on raytrain's Trainer: a
-TRL 1.16 script runs with `from trl import ...` changed to `from raytrain.trl import ...` (needs the trl extra)."""
+"""TRL's SFTTrainer / SFTConfig, DPOTrainer / DPOConfig, GRPOTrainer / GRPOConfig and RLOOTrainer / RLOOConfig on
+raytrain's Trainer: a TRL 1.16 script runs with `from trl import ...` changed to `from raytrain.trl import ...`
+(needs the trl extra)."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ from .config.args import TrainingArguments
 from .hf.trl import config as _trl
 from .hf.trl.dpo import DPOMethods
 from .hf.trl.grpo import GRPOMethods
+from .hf.trl.rloo import RLOOMethods
 from .hf.trl.sft import SFTMethods
 from .trainer import Trainer
 
-__all__ = ["DPOConfig", "DPOTrainer", "GRPOConfig", "SFTConfig", "SFTTrainer"]
+__all__ = ["DPOConfig", "DPOTrainer", "GRPOConfig", "GRPOTrainer", "RLOOConfig", "RLOOTrainer", "SFTConfig",
+           "SFTTrainer"]
 
 _BASE = {f.name for f in dataclasses.fields(TrainingArguments)}
 
@@ -47,6 +50,7 @@ def _config(name: str, kind: str) -> type:
 SFTConfig = _config("SFTConfig", "sft")
 DPOConfig = _config("DPOConfig", "dpo")
 GRPOConfig = _config("GRPOConfig", "grpo")
+RLOOConfig = _config("RLOOConfig", "rloo")
 
 
 class SFTTrainer(SFTMethods, Trainer):
@@ -66,6 +70,13 @@ class GRPOTrainer(GRPOMethods, Trainer):
     loop, resumed exactly: checkpoints hold the rollout buffer and its position."""
 
     config_class = GRPOConfig
+
+
+class RLOOTrainer(RLOOMethods, Trainer):
+    """TRL's RLOOTrainer (same arguments, sampler, generation, leave-one-out advantages, loss and metrics) on
+    raytrain's loop, resumed exactly as GRPOTrainer."""
+
+    config_class = RLOOConfig
 
 
 def __getattr__(name: str) -> Any:

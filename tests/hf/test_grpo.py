@@ -28,7 +28,7 @@ def _close(a: list[dict], b: list[dict], tol: float = 1e-5) -> None:
                 assert x[k] == pytest.approx(y[k], abs=tol, rel=tol), (k, x, y)
 
 
-@pytest.mark.parametrize("name", ["GRPOConfig"])
+@pytest.mark.parametrize("name", ["GRPOConfig", "RLOOConfig"])
 def test_config_has_every_trl_field_with_its_default(name, tmp_path):
     import raytrain.trl as rt
 
@@ -125,6 +125,25 @@ def test_grpo_matches_trl_step_for_step(tmp_path, tiny, case):
         assert {"rewards/tiny-reward/mean", "rewards/tiny-reward/std"} <= logged
     if kw.get("use_adaptive_entropy"):
         assert "entropy_coef" in logged
+
+
+RLOO_CASES = {  # RLOO's advantage (leave-one-out baseline, the KL penalty in the reward) on the same grid's corners
+    "full-iter1-beta0.04": dict(num_iterations=1, beta=0.04, peft=False, normalize_advantages=True),
+    "full-iter2-beta0": dict(num_iterations=2, beta=0.0, peft=False, steps_per_generation=4,
+                             reward_clip_range=(-1.0, 2.0), conversational=False),
+    "lora-iter1-beta0": dict(num_iterations=1, beta=0.0, peft=True, with_reward_model=True),
+    "lora-iter2-beta0.04": dict(num_iterations=2, beta=0.04, peft=True, steps_per_generation=4),
+}
+
+
+@pytest.mark.parametrize("case", list(RLOO_CASES))
+def test_rloo_matches_trl_step_for_step(tmp_path, tiny, case):
+    kw = RLOO_CASES[case]
+    pair = _pair(tmp_path, tiny, kind="rloo", **kw)
+    _same_run(pair)
+    logged = set().union(*jobs.steps(pair["rt"][0]))
+    assert ("kl" in logged) == (kw["beta"] != 0.0)
+    assert {"clip_ratio/low_mean", "clip_ratio/high_max", "clip_ratio/region_mean"} <= logged
 
 
 KILLED = dict(max_steps=10, num_iterations=2, beta=0.04, peft=True, steps_per_generation=4, logging_steps=2,
