@@ -88,7 +88,7 @@ def config(lib: str, kind: str, out: str, **kw):
 
 def trainer(lib: str, out: str, model_path: str, kind: str = "grpo", peft: bool = False, conversational: bool = True,
             recorder: Recorder | None = None, rewards=("length", "digits", "async"), with_reward_model: bool = False,
-            callbacks=(), **kw):
+            callbacks=(), eval_dataset=None, **kw):
     from examples.sft import build_tokenizer
 
     from .trl_jobs import lora
@@ -101,10 +101,16 @@ def trainer(lib: str, out: str, model_path: str, kind: str = "grpo", peft: bool 
         funcs, classes = [*funcs, model], [None] * len(funcs) + [tok]
     cls = getattr(libs(lib), "GRPOTrainer" if kind == "grpo" else "RLOOTrainer")
     return cls(model=model_path, reward_funcs=funcs, args=config(lib, kind, out, **kw),
-               train_dataset=prompts(conversational), processing_class=build_tokenizer(),
+               train_dataset=prompts(conversational), eval_dataset=eval_dataset, processing_class=build_tokenizer(),
                reward_processing_classes=classes, peft_config=lora() if peft else None, callbacks=list(callbacks))
 
 
 def steps(trainer) -> list[dict]:
     """Each step's log (TRL's metrics with it), less the timing."""
     return [{k: v for k, v in e.items() if k not in ("step_time",)} for e in trainer.state.log_history if "loss" in e]
+
+
+def evaluations(trainer) -> list[dict]:
+    """Each evaluation's log, less its timings."""
+    return [{k: v for k, v in e.items() if not k.endswith(("_runtime", "_per_second"))}
+            for e in trainer.state.log_history if "eval_loss" in e]
