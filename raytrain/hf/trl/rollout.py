@@ -223,6 +223,8 @@ class RolloutMethods(RewardMethods, TRLMethods):
         steps_per_generation micro-steps); the rows are handed over as they are (TRL's identity collator)."""
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
+        if self.accelerator.num_processes > 1:  # TRL's per-rank seed (set at init in one process), on this rank
+            set_seed(self.args.seed + self.accelerator.process_index)  # before a resume restores the RNG
         return self._build_source(self.train_dataset, self._train_batch_size * self.args.steps_per_generation,
                                   "train_dataset", shuffle=True, training=True)
 
@@ -247,7 +249,7 @@ class RolloutMethods(RewardMethods, TRLMethods):
         """TRL's: the micro-batch from the buffer (generated at the first micro-step of each generation batch), then
         raytrain's forward and backward; _step counts micro-steps (the position in the buffer)."""
         start = time.perf_counter()
-        if not model.training:
+        if not model.training or not self.model.training:  # as HF: before _prepare_inputs (TRL's mode check)
             model.train()
         ga = self.current_gradient_accumulation_steps
         self._sync_gradients = (self._step + 1) % ga == 0
