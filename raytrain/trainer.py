@@ -344,9 +344,7 @@ class Trainer(HFOverridePoints, ExampleScriptMethods):
     def training_step(self, model, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
         """Forward and backward for one micro-batch; returns the detached loss (no host sync)."""
         strategy = self._strategy
-        # model.train() walks every module: only after an evaluation, or when a wrapper (DDP) trains but the
-        # model inside it came in eval mode (from_pretrained's), as HF's train() on every step would set it
-        if not model.training or not self.model.training:
+        if not model.training:  # model.train() walks every module: only after an evaluation
             model.train()
         optimizer = self.optimizer
         if hasattr(optimizer, "train"):  # schedule-free: the weights it trains, not those it evaluates (as HF)

@@ -146,6 +146,39 @@ def test_grpo_matches_trl_step_for_step(tmp_path, tiny, case):
         assert "entropy_coef" in logged
 
 
+@pytest.mark.parametrize("given", ["peft_model", "in_memory"])
+def test_the_reference_of_a_given_peft_model_or_of_a_model_built_in_memory(tmp_path, tiny, given):
+    """beta 0.04: a PeftModel given as the model gets TRL's frozen `ref` copy of its adapter (both libraries); a model
+    built in memory (no path to reload, where trl fails) gets a frozen copy of itself, which is what trl's reload of
+    the same weights from their path gives."""
+    import torch
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from examples.sft import build_model
+
+    from .trl_jobs import lora
+
+    runs = {}
+    for lib in ("trl", "rt"):
+        recorder = jobs.Recorder()
+        if given == "peft_model":
+            torch.manual_seed(0)  # the adapter's random init, made before the trainer seeds
+            model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny), lora())
+        else:
+            model = tiny if lib == "trl" else build_model()  # the weights saved at `tiny`
+        t = jobs.trainer(lib, str(tmp_path / lib), model, recorder=recorder, beta=0.04, num_iterations=2,
+                         steps_per_generation=4)
+        t.train()
+        runs[lib] = (t, recorder)
+        if given == "peft_model":
+            assert set(t.model.peft_config) == {"default", "ref"}
+            # trained in train mode throughout, as HF's training_step sets it (from_pretrained's model came in eval)
+            assert all(m.training for m in t.model.modules())
+    assert runs["rt"][0].ref_model is None if given == "peft_model" else not runs["rt"][0].ref_model.training
+    _same_run(runs)
+
+
 RLOO_CASES = {  # RLOO's advantage (leave-one-out baseline, the KL penalty in the reward) on the same grid's corners
     "full-iter1-beta0.04": dict(num_iterations=1, beta=0.04, peft=False, normalize_advantages=True),
     "full-iter2-beta0": dict(num_iterations=2, beta=0.0, peft=False, steps_per_generation=4,

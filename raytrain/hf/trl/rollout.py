@@ -249,7 +249,7 @@ class RolloutMethods(RewardMethods, TRLMethods):
         """TRL's: the micro-batch from the buffer (generated at the first micro-step of each generation batch), then
         raytrain's forward and backward; _step counts micro-steps (the position in the buffer)."""
         start = time.perf_counter()
-        if not model.training or not self.model.training:  # as HF: before _prepare_inputs (TRL's mode check)
+        if not model.training:  # as HF: before _prepare_inputs (TRL's mode check)
             model.train()
         ga = self.current_gradient_accumulation_steps
         self._sync_gradients = (self._step + 1) % ga == 0
