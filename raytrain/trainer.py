@@ -17,6 +17,7 @@ from .data.columns import is_named_datasets
 from .hf import adapters, objects as hf
 from .hf.metrics import MemoryTracker
 from .hf.optim import create_optimizer, create_scheduler
+from .hf.pipeline import PipelineMethods
 from .hf.seq2seq import Seq2SeqMethods
 from .hf.skeleton import ExampleScriptMethods
 from .hf.trackers import integration_callbacks
@@ -32,7 +33,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["Seq2SeqTrainer", "Trainer", "set_seed", "trainer_class"]
 
 
-class Trainer(HFOverridePoints, ExampleScriptMethods):
+class Trainer(HFOverridePoints, ExampleScriptMethods, PipelineMethods):
     """Train, evaluate and predict with a PyTorch model, as HF's Trainer does (same arguments, same
     overridable methods, same events).
 
@@ -343,6 +344,9 @@ class Trainer(HFOverridePoints, ExampleScriptMethods):
     def training_step(self, model, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
         """Forward and backward for one micro-batch; returns the detached loss (no host sync)."""
         strategy = self._strategy
+        if strategy.pipeline is not None:  # pp_size > 1: through this rank's stages (hf/pipeline.py)
+            return self._pipeline_training_step(model, inputs, num_items_in_batch,
+                                                type(self).compute_loss is not Trainer.compute_loss)
         if not model.training:  # model.train() walks every module: only after an evaluation
             model.train()
         optimizer = self.optimizer
@@ -360,6 +364,8 @@ class Trainer(HFOverridePoints, ExampleScriptMethods):
     def prediction_step(self, model, inputs: dict, prediction_loss_only: bool, ignore_keys: list[str] | None = None):
         """(loss, predictions, labels) for one evaluation batch; loss is the batch's mean; predictions are
         every non-loss output (a tuple when there are several), as HF."""
+        if self.get_strategy().pipeline is not None:
+            return self._pipeline_prediction_step(model, inputs, prediction_loss_only)
         has_labels = bool(self.label_names) and all(inputs.get(k) is not None for k in self.label_names)
         labels = None
         if has_labels:

@@ -54,6 +54,8 @@ class Strategy:
         self.dp_rank, self.dp_size = 0, 1
         #: The mesh's sizes (parallelism_config), recorded in checkpoints; None: plain data parallel.
         self.layout: dict[str, int] | None = None
+        #: This rank's pipeline stages (strategies/pipeline.py) when pp_size > 1: the Trainer's steps run them.
+        self.pipeline = None
 
     @property
     def is_main(self) -> bool:
@@ -120,6 +122,10 @@ class Strategy:
     # -- collectives (identity in one process)
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         return tensor
+
+    def reduce_loss(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The step losses of every rank summed (each holds its share; under PP, the last stage's ranks)."""
+        return self.all_reduce(tensor)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         return [obj]
