@@ -116,6 +116,7 @@ class Trainer(HFOverridePoints, ExampleScriptMethods, PipelineMethods):
             raise ValueError("Trainer: training requires a train_dataset.")
         self.ignore_keys_for_eval = ignore_keys_for_eval
         if self.args.should_use_distributed:
+            self._check_pipeline()
             from .driver.launch import run_distributed
             return run_distributed(self, resume_from_checkpoint)
         if self.model_init is not None:  # as HF: every train() starts from a fresh, seeded model

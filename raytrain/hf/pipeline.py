@@ -66,6 +66,15 @@ class PipelineMethods:
         total = torch.stack(losses).sum().detach() if losses else None
         return total, None if prediction_loss_only else logits, labels
 
+    def _check_pipeline(self) -> None:
+        """pp_size > 1: the model splits into the layout's stages; a one-line ValueError before any worker starts."""
+        config = self.args.parallelism_config or {}
+        if config.get("pp_size", 1) > 1:
+            from ..strategies.mesh import ParallelDims
+            from ..strategies.pipeline import check
+
+            check(self.model, ParallelDims.resolve(config, self.args.scaling.num_workers))
+
     def _main_input(self) -> str:
         return getattr(unwrap_model(self.model), "main_input_name", "input_ids")
 

@@ -263,8 +263,13 @@ class FSDPStrategy(TorchDistributedMixin, Strategy):
     def load_optimizer_state_dict(self, state):
         """A full torch optimizer state_dict (optimizer.pt of a DDP or single-process run), re-sharded."""
         model = self.unwrap(self.model)
-        set_optimizer_state_dict(model, self.optimizer, _by_name(model, self.optimizer, state),
-                                 options=StateDictOptions(full_state_dict=True))
+        if self.pipeline is not None:
+            from .pipeline import stage_optimizer_state
+
+            state = stage_optimizer_state(self.pipeline.whole_groups, {n for n, _ in model.named_parameters()}, state)
+        else:
+            state = _by_name(model, self.optimizer, state)
+        set_optimizer_state_dict(model, self.optimizer, state, options=StateDictOptions(full_state_dict=True))
 
     @property
     def has_sharded_state(self) -> bool:
@@ -276,7 +281,9 @@ class FSDPStrategy(TorchDistributedMixin, Strategy):
         DCP's thread with its collectives on that group; the future is done once the files are fsynced."""
         import torch.distributed.checkpoint as dcp
 
-        state = {"optimizer": get_optimizer_state_dict(self.unwrap(self.model), self.optimizer)}
+        # a pipeline's stages hold different parameter groups: saved flattened, one entry per parameter name
+        options = StateDictOptions(flatten_optimizer_state_dict=self.pipeline is not None)
+        state = {"optimizer": get_optimizer_state_dict(self.unwrap(self.model), self.optimizer, options=options)}
         path = os.path.join(directory, DCP_DIR)
         if process_group is None:
             dcp.save(state, checkpoint_id=path)

@@ -122,6 +122,7 @@ class Pipeline:
         self.has_last = dims.num_stages - 1 in self.stage_ids
         self.microbatches = dims.microbatches(per_rank_batch)
         self.model = model
+        self.whole_groups = _whole_groups(model)
         self.parts: list[torch.nn.Module] = []
         self.group = self.device = None
         self.sync_group: Any = None  # set: every rank builds a schedule when any needs one (FSDP's collectives)
@@ -225,6 +226,29 @@ class Pipeline:
             for module in part.modules():
                 if isinstance(module, FSDPModule):
                     module.reshard()
+
+
+def _whole_groups(model: torch.nn.Module) -> list[list[str]]:
+    """The trainable parameters' names of the whole model in HF's two weight-decay groups (the optimizer's
+    order): how a full optimizer.pt (one process, DDP) numbers them."""
+    from ..optim.optimizers import decay_parameter_names
+
+    decayed = set(decay_parameter_names(model))
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    return [[n for n in names if n in decayed], [n for n in names if n not in decayed]]
+
+
+def stage_optimizer_state(whole: list[list[str]], own: set[str], state: dict) -> dict:
+    """A full torch optimizer state_dict (indices over the whole model) -> this rank's stages' part, by
+    name (the form set_optimizer_state_dict takes); a ValueError when its groups are not HF's two."""
+    saved = [len(g["params"]) for g in state["param_groups"]]
+    if saved != [len(g) for g in whole]:
+        raise ValueError(f"optimizer.pt's parameter groups hold {saved} parameters, not the whole model's two "
+                         f"weight-decay groups {[len(g) for g in whole]} that a pipeline stage can take its share of")
+    to_name = {i: n for g, names in zip(state["param_groups"], whole) for i, n in zip(g["params"], names)}
+    return {"state": {to_name[i]: s for i, s in state["state"].items() if to_name[i] in own},
+            "param_groups": [{**g, "params": [to_name[i] for i in g["params"] if to_name[i] in own]}
+                             for g in state["param_groups"]]}
 
 
 def _stage_forward(part: torch.nn.Module, base: torch.nn.Module, first: bool, last: bool):
