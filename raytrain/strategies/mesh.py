@@ -15,11 +15,11 @@ from typing import Any
 
 FIELDS = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size", "pp_size", "pp_schedule",
           "pp_microbatches")
-#: torch.distributed.pipelining's schedule names (get_schedule_class's), the multi-stage ones run two
-#: stages per rank (torchtitan's default); the V-shaped ones place them as a V (rank r: r and 2*pp-1-r).
+#: torch.distributed.pipelining's schedule names (get_schedule_class's) that train and evaluate; the
+#: multi-stage ones run two stages per rank, looped (rank r: stages r and r + pp), torchtitan's default.
+#: (The V-shaped ZBVZeroBubble and DualPipeV cannot evaluate in torch 2.13: forward-only steps fail.)
 SINGLE_STAGE = ("1F1B", "GPipe")
-MULTI_STAGE = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
-V_SHAPED = ("ZBVZeroBubble", "DualPipeV")
+MULTI_STAGE = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
 
 
 def normalize(config: Any) -> dict[str, int] | None:
@@ -122,12 +122,8 @@ class ParallelDims:
         return rank // (self.dp * self.tp)
 
     def stage_ids(self, pp_rank: int) -> tuple[int, ...]:
-        """The pipeline stages rank `pp_rank` of the pp dim runs: one; or two, looped (r, r + pp) or a V."""
-        if self.stages_per_rank == 1:
-            return (pp_rank,)
-        if self.pp_schedule in V_SHAPED:
-            return (pp_rank, self.num_stages - 1 - pp_rank)
-        return (pp_rank, pp_rank + self.pp)
+        """The pipeline stages rank `pp_rank` of the pp dim runs: one; or two, looped (r, r + pp)."""
+        return tuple(pp_rank + s * self.pp for s in range(self.stages_per_rank))
 
     def microbatches(self, per_rank_batch: int) -> int:
         return self.pp_microbatches or per_rank_batch

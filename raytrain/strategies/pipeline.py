@@ -58,29 +58,25 @@ class Split:
         if not isinstance(base, torch.nn.Module) or "inputs_embeds" not in _parameters(inner):
             raise ValueError(needs)
         plan = list(getattr(getattr(inner, "config", None), "base_model_pp_plan", None) or {})
-        lists = [n for n in plan if isinstance(getattr(base, n, None), torch.nn.ModuleList)]
-        if not lists:  # no plan: the base model's list of blocks
-            lists = [n for n, c in base.named_children() if isinstance(c, torch.nn.ModuleList) and len(c)]
-            plan = [n for n, _ in base.named_children()]
+        plan = plan or [n for n, _ in base.named_children()]  # no plan: the base model's children, in order
+        lists = [n for n in plan if isinstance(getattr(base, n, None), torch.nn.ModuleList) and len(getattr(base, n))]
         if len(lists) != 1:
             raise ValueError(needs)
         self.layers = lists[0]
         at = plan.index(self.layers)
-        embeddings = inner.get_input_embeddings() if hasattr(inner, "get_input_embeddings") else None
-        self.first = [n for n in plan[:at] if getattr(base, n, None) is not None]
-        self.last = [n for n in plan[at + 1:] if getattr(base, n, None) is not None]
-        if not any(getattr(base, n) is embeddings for n in self.first):  # no plan: the embeddings come first
-            self.first += [n for n, c in base.named_children() if c is embeddings and n not in self.first]
-            self.last = [n for n, c in base.named_children() if n not in self.first and n != self.layers
-                         and any(True for _ in c.parameters()) and n not in self.last] + self.last
-        self.head = [n for n, c in inner.named_children() if c is not base and any(True for _ in c.parameters())]
+        # what holds parameters before the layers goes to the first stage, after them to the last; the
+        # rest (rotary embeddings) runs on every stage
+        self.first = [n for n in plan[:at] if _holds(getattr(base, n, None))]
+        self.last = [n for n in plan[at + 1:] if _holds(getattr(base, n, None))]
+        self.head = [n for n, c in inner.named_children() if c is not base and _holds(c)]
         self.num_layers = len(getattr(base, self.layers))
         placed = set(self.first) | set(self.last) | {self.layers}
         for n, child in base.named_children():
-            if n not in placed and any(True for _ in child.parameters()):
+            if n not in placed and _holds(child):
                 raise ValueError(f"parallelism_config.pp_size: {name}.{self.prefix}.{n} holds parameters but is "
                                  "neither before nor after the decoder layers in the model's pipeline plan "
                                  "(base_model_pp_plan); raytrain cannot place it on a stage")
+        embeddings = inner.get_input_embeddings() if hasattr(inner, "get_input_embeddings") else None
         out = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
         if embeddings is not None and out is not None and out.weight is embeddings.weight:
             raise ValueError(f"parallelism_config.pp_size: {name} ties its input and output embeddings "
@@ -92,6 +88,10 @@ class Split:
         q, r = divmod(self.num_layers, num_stages)
         sizes = [q + (i < r) for i in range(num_stages)]
         return [(sum(sizes[:i]), sum(sizes[:i + 1])) for i in range(num_stages)]
+
+
+def _holds(module: torch.nn.Module | None) -> bool:
+    return module is not None and any(True for _ in module.parameters())
 
 
 def _parameters(model: torch.nn.Module) -> set[str]:

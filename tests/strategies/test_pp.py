@@ -299,6 +299,23 @@ def test_models_that_cannot_be_split_are_refused_before_any_worker_starts(tmp_pa
         assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
 
 
+def test_the_split_follows_the_plan_or_else_the_layer_list():
+    from raytrain.strategies.mesh import ParallelDims
+    from raytrain.strategies.pipeline import Absent, Pipeline, Split
+
+    planned, unplanned = tiny_llama(), tiny_llama()
+    unplanned.config.base_model_pp_plan = None  # the base model's children in order instead
+    for model in (planned, unplanned):
+        split = Split(model)
+        assert (split.first, split.layers, split.last, split.head) == (["embed_tokens"], "layers", ["norm"], ["lm_head"])
+        assert split.bounds(3) == [(0, 2), (2, 3), (3, 4)]  # the first stages take the extra layer
+    whole = sorted(n for n, _ in planned.named_parameters())
+    pipeline = Pipeline(planned, ParallelDims.resolve({"pp_size": 2, "dp_shard_size": 1}, 2), 1, 4)
+    assert sorted(n for n, _ in planned.named_parameters()) == stage_names(whole, (2, 3), False, True)
+    assert isinstance(planned.model.embed_tokens, Absent) and not isinstance(planned.model.rotary_emb, Absent)
+    assert (pipeline.stage_ids, pipeline.has_first, pipeline.has_last) == ((1,), False, True)
+
+
 def test_a_pipelined_trainer_with_its_own_compute_loss_is_refused(tmp_path):
     from raytrain import Trainer
 
@@ -327,7 +344,7 @@ def test_ray_pp2_dp2_worker_sigkilled_resumes_bit_exactly(ray_cluster, pipelines
     out = tmp_path / "out"
     args = lm_args(str(out), parallelism, per_device, workers=4,
                    scaling={"num_workers": 4, "storage_path": str(tmp_path / "ray"), "max_failures": 1,
-                            "resources_per_worker": {"CPU": 0.5}})
+                            "resources_per_worker": {"CPU": 1}})
     trainer = Trainer(tiny_llama(), args, train_dataset=token_rows(), callbacks=[FaultInjector(2, 7, signal.SIGKILL)])
     assert trainer.train().global_step == STEPS
     assert [int(s) for s in (out / "starts.txt").read_text().split()] == [0, SAVE_AT]
