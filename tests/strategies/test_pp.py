@@ -273,6 +273,10 @@ def test_models_that_cannot_be_split_are_refused_before_any_worker_starts(tmp_pa
 
     args = TrainingArguments(**_args(tmp_path, {"pp_size": 4}))
     assert args.distributed.strategy == "fsdp" and args.parallelism_config["pp_schedule"] == "1F1B"
+    (tmp_path / "run.yaml").write_text(f"output_dir: {tmp_path}\nmax_steps: 1\nscaling: {{num_workers: 4}}\n")
+    args = TrainingArguments.from_yaml(tmp_path / "run.yaml", ["parallelism_config.pp_size=2",
+                                                                "parallelism_config.pp_schedule=gpipe"])
+    assert (args.parallelism_config["pp_size"], args.parallelism_config["pp_schedule"]) == (2, "GPipe")
     cases = [
         (tiny_llama(), {"pp_size": 2, "pp_schedule": "interleaved1f1b"}, None),  # 4 stages, 4 layers: fits
         (LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
