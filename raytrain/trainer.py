@@ -11,7 +11,7 @@ import torch
 
 from .callbacks import CallbackHandler, DefaultFlowCallback, PrinterCallback, ProgressCallback
 from .callbacks.state import PredictionOutput, TrainerControl, TrainerState, TrainOutput
-from .config.args import TrainingArguments
+from .config.args import ConfigError, TrainingArguments
 from .config.seq2seq import Seq2SeqTrainingArguments
 from .data.columns import is_named_datasets
 from .hf import adapters, objects as hf
@@ -116,7 +116,10 @@ class Trainer(HFOverridePoints, ExampleScriptMethods, PipelineMethods):
             raise ValueError("Trainer: training requires a train_dataset.")
         self.ignore_keys_for_eval = ignore_keys_for_eval
         if self.args.should_use_distributed:
-            self._check_pipeline()
+            try:  # a model that cannot be split into the layout's stages: before any worker starts (CLI: exit 2)
+                self._check_pipeline()
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
             from .driver.launch import run_distributed
             return run_distributed(self, resume_from_checkpoint)
         if self.model_init is not None:  # as HF: every train() starts from a fresh, seeded model

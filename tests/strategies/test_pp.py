@@ -269,6 +269,7 @@ def test_models_that_cannot_be_split_are_refused_before_any_worker_starts(tmp_pa
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from raytrain import Trainer
+    from raytrain.config.args import ConfigError
     from tests.strategies._helpers import digits_model
 
     args = TrainingArguments(**_args(tmp_path, {"pp_size": 4}))
@@ -298,7 +299,7 @@ def test_models_that_cannot_be_split_are_refused_before_any_worker_starts(tmp_pa
         if message is None:
             trainer._check_pipeline()
             continue
-        with pytest.raises(ValueError) as e:
+        with pytest.raises(ConfigError) as e:  # the CLI's exit 2
             trainer.train()
         assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
 
