@@ -2,9 +2,9 @@
 pp2 x dp2, pp2 x tp2, pp4 and an interleaved schedule (4 processes), pp2 x dp2 x tp2 (8 processes) do one
 process's maths with the same global batch (logged loss, tokens seen, evaluation, predict and
 compute_metrics); each rank holds only its stage's layers; a pp2 x dp2 checkpoint resumes under pp2 x dp2
-(bit for bit), pp4, dp4, 2x2 and one process, a dp4 checkpoint under pp2 x tp2; every layout's final/
-loads with from_pretrained; LoRA and activation checkpointing on the pipeline; the refusals, one line each.
-One 4-process launch runs every 4-process layout."""
+(bit for bit), pp4, dp4, 2x2 and one process, a dp4 checkpoint under pp2 x tp2, one process's under pp2 x
+dp2; every layout's final/ loads with from_pretrained; LoRA, activation checkpointing and gradient
+accumulation on the pipeline; the refusals, one line each. One 4-process launch runs every 4-process layout."""
 
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ def _rank(rank: int, world: int, root: str, port: int, single: str, runs: list) 
         trainer = Trainer(model, args, train_dataset=token_rows(), compute_metrics=token_accuracy)
         loop.train(trainer, resume)
         out[run] = _losses(trainer)
-        if resume is None and not run.startswith(("lora", "ac")):
+        if resume is None and not run.startswith(("lora", "ac", "ga")):
             out[f"{run}-names"] = sorted(n for n, _ in trainer.model.named_parameters())
             out[f"{run}-numel"] = _local_numel(trainer.model)
             out[f"{run}-tokens"] = trainer.state.num_input_tokens_seen
@@ -156,8 +156,10 @@ def pipelines(tmp_path_factory, one_process):
     root = tmp_path_factory.mktemp("pp")
     runs = [(name, name, None, {}) for name in FRESH]
     runs += [(f"resume-{name}", name, "pp2xdp2", {}) for name in RESUMES]
-    runs += [("back-pp2xtp2", "pp2xtp2", "dp4", {}), ("lora-pp2xdp2", "pp2xdp2", None, {}),
-             ("ac-pp2xdp2", "pp2xdp2", None, {"activation_checkpointing": True})]
+    runs += [("back-pp2xtp2", "pp2xtp2", "dp4", {}), ("single-pp2xdp2", "pp2xdp2", "single", {}),
+             ("lora-pp2xdp2", "pp2xdp2", None, {}),
+             ("ac-pp2xdp2", "pp2xdp2", None, {"activation_checkpointing": True}),
+             ("ga-pp2xdp2", "pp2xdp2", None, {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2})]
     return root, _launch(root, 4, str(one_process[0]), runs)
 
 
@@ -199,6 +201,7 @@ def test_pipelines_match_one_process_and_resume_across_layouts(pipelines, one_pr
     for name in RESUMES:
         assert results[f"resume-{name}"] == pytest.approx(ref, abs=1e-5), name
     assert results["back-pp2xtp2"] == pytest.approx(ref, abs=1e-5)  # a dp4 checkpoint, pipelined
+    assert results["single-pp2xdp2"] == pytest.approx(ref, abs=1e-5)  # one process's optimizer.pt, by stage
     resumed = Trainer(tiny_llama(), lm_args(str(one_process[0] / "resumed")), train_dataset=token_rows())
     resumed.train(resume_from_checkpoint=str(root / "pp2xdp2" / f"checkpoint-{SAVE_AT}"))
     assert _losses(resumed) == pytest.approx(ref, abs=1e-5)
@@ -206,6 +209,7 @@ def test_pipelines_match_one_process_and_resume_across_layouts(pipelines, one_pr
     lora = _losses(one["lora"])  # LoRA on the pipelined model; activation checkpointing: the same maths
     assert lora[-1] < lora[0] and results["lora-pp2xdp2"] == pytest.approx(lora, abs=1e-5)
     assert results["ac-pp2xdp2"] == pytest.approx(ref, abs=1e-5)
+    assert results["ga-pp2xdp2"] == pytest.approx(ref, abs=1e-5)  # 2 accumulated steps of 2 microbatches
 
     manifest = json.loads((root / "pp2xdp2" / f"checkpoint-{SAVE_AT}" / "manifest.json").read_text())
     assert manifest["parallelism"] == {"pp_size": 2, "dp_replicate_size": 1, "dp_shard_size": 2, "tp_size": 1,
