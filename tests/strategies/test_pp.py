@@ -237,6 +237,12 @@ def test_pp2_dp2_tp2_on_8_processes_matches_one_process(tmp_path, one_process):
     whole = sorted(n for n, _ in tiny_llama().named_parameters())
     for rank, results in enumerate(per_rank):  # pp outermost: ranks 0-3 the first stage
         assert results["3d-names"] == stage_names(whole, (0, 1) if rank < 4 else (2, 3), rank < 4, rank >= 4)
+    from transformers import LlamaForCausalLM
+
+    model, info = LlamaForCausalLM.from_pretrained(str(tmp_path / "3d" / "final"), output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    for key, value in model.state_dict().items():
+        torch.testing.assert_close(value, single.model.state_dict()[key], rtol=1e-4, atol=1e-5)
 
 
 def _args(tmp_path, config, **kw):
