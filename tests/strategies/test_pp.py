@@ -3,8 +3,8 @@ pp2 x dp2, pp2 x tp2, pp4 and an interleaved schedule (4 processes), pp2 x dp2 x
 process's maths with the same global batch (logged loss, tokens seen, evaluation, predict and
 compute_metrics); each rank holds only its stage's layers; a pp2 x dp2 checkpoint resumes under pp2 x dp2
 (bit for bit), pp4, dp4, 2x2 and one process, a dp4 checkpoint under pp2 x tp2, one process's under pp2 x
-dp2; every layout's final/ loads with from_pretrained; LoRA, activation checkpointing and gradient
-accumulation on the pipeline; the refusals, one line each. One 4-process launch runs every 4-process layout."""
+dp2; every layout's final/ loads with from_pretrained; LoRA, activation checkpointing, gradient
+accumulation and batches of varying lengths on the pipeline; the refusals, one line each. One 4-process launch runs every 4-process layout."""
 
 from __future__ import annotations
 
@@ -54,6 +54,21 @@ def tiny_lora(seed: int = 0):
     return get_peft_model(tiny_llama(seed), LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
                                                        target_modules=["q_proj", "v_proj", "o_proj", "up_proj",
                                                                        "down_proj"]))
+
+
+def padded_rows() -> dict:
+    """token_rows of 6 to 16 tokens, right-padded (mask 0, labels -100): `trim` cuts each batch to its longest."""
+    rows = token_rows()
+    lengths = np.random.default_rng(1).integers(6, 17, len(rows["input_ids"]))
+    mask = (np.arange(16)[None] < lengths[:, None]).astype(np.int64)
+    return {"input_ids": rows["input_ids"], "attention_mask": mask, "labels": np.where(mask == 1, rows["labels"], -100)}
+
+
+def trim(features: list) -> dict:
+    """A collator padding to the batch's longest row: batches of varying shapes, as a tokenizer's padding makes."""
+    batch = {k: torch.as_tensor(np.stack([np.asarray(f[k]) for f in features])) for k in features[0]}
+    longest = int(batch["attention_mask"].sum(1).max())
+    return {k: v[:, :longest] for k, v in batch.items()}
 
 
 def token_accuracy(prediction) -> dict:
@@ -112,10 +127,12 @@ def _rank(rank: int, world: int, root: str, port: int, single: str, runs: list) 
         if resume is not None:
             resume = os.path.join(single if resume.startswith("single") else root, resume, f"checkpoint-{SAVE_AT}")
         model = tiny_lora() if run.startswith("lora") else tiny_llama()
-        trainer = Trainer(model, args, train_dataset=token_rows(), compute_metrics=token_accuracy)
+        data = dict(train_dataset=padded_rows(), data_collator=trim) if run.startswith("pad") else \
+            dict(train_dataset=token_rows(), compute_metrics=token_accuracy)
+        trainer = Trainer(model, args, **data)
         loop.train(trainer, resume)
         out[run] = _losses(trainer)
-        if resume is None and not run.startswith(("lora", "ac", "ga")):
+        if resume is None and not run.startswith(("lora", "ac", "ga", "pad")):
             out[f"{run}-names"] = sorted(n for n, _ in trainer.model.named_parameters())
             out[f"{run}-numel"] = _local_numel(trainer.model)
             out[f"{run}-tokens"] = trainer.state.num_input_tokens_seen
@@ -146,6 +163,8 @@ def one_process(tmp_path_factory):
         trainer = Trainer(model, lm_args(str(root / name)), train_dataset=token_rows(), compute_metrics=token_accuracy)
         trainer.train()
         out[name] = trainer
+    out["pad"] = Trainer(tiny_llama(), lm_args(str(root / "pad")), train_dataset=padded_rows(), data_collator=trim)
+    out["pad"].train()
     out["eval"] = out["single"].evaluate(eval_dataset=token_rows(16))
     out["predict"] = _predict(out["single"])
     return root, out
@@ -159,7 +178,8 @@ def pipelines(tmp_path_factory, one_process):
     runs += [("back-pp2xtp2", "pp2xtp2", "dp4", {}), ("single-pp2xdp2", "pp2xdp2", "single", {}),
              ("lora-pp2xdp2", "pp2xdp2", None, {}),
              ("ac-pp2xdp2", "pp2xdp2", None, {"activation_checkpointing": True}),
-             ("ga-pp2xdp2", "pp2xdp2", None, {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2})]
+             ("ga-pp2xdp2", "pp2xdp2", None, {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}),
+             ("pad-pp2xdp2", "pp2xdp2", None, {})]
     return root, _launch(root, 4, str(one_process[0]), runs)
 
 
@@ -210,6 +230,9 @@ def test_pipelines_match_one_process_and_resume_across_layouts(pipelines, one_pr
     assert lora[-1] < lora[0] and results["lora-pp2xdp2"] == pytest.approx(lora, abs=1e-5)
     assert results["ac-pp2xdp2"] == pytest.approx(ref, abs=1e-5)
     assert results["ga-pp2xdp2"] == pytest.approx(ref, abs=1e-5)  # 2 accumulated steps of 2 microbatches
+    # batches of varying lengths, different on the two data-parallel ranks: each new shape sets up its schedule
+    padded = _losses(one["pad"])
+    assert padded[-1] < padded[0] and results["pad-pp2xdp2"] == pytest.approx(padded, abs=1e-5)
 
     manifest = json.loads((root / "pp2xdp2" / f"checkpoint-{SAVE_AT}" / "manifest.json").read_text())
     assert manifest["parallelism"] == {"pp_size": 2, "dp_replicate_size": 1, "dp_shard_size": 2, "tp_size": 1,
