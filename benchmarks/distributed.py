@@ -1,7 +1,7 @@
 """Distributed checkpoints and recovery on Ray: what a save costs the step, what a lost node costs the run.
 
     python benchmarks/distributed.py [--mb 32] [--steps 40] [--rounds 2] [--parts saves,recovery,elastic,layouts]
-                                     [--strategies ddp,fsdp,deepspeed]
+                                     [--strategies ddp,fsdp,deepspeed] [--hidden 256] [--layouts dp4,2x2,...]
 
   saves:    2 Ray workers (DDP, FSDP2, ZeRO-2), a checkpoint every 10 steps, synchronous and in the
             background (save_async), against none: median and mean step time (rank 0, step end to step
@@ -11,9 +11,11 @@
             own disks, needs root): rank 1's node is lost after step 12 of the digits job and a new
             node joins; prints the seconds from the loss to the first step the restarted group ends,
             against the seconds from the driver's start to the first step of a fresh run.
-  layouts:  4 gloo processes (no Ray), a Llama from a config (--hidden): dp4 (FSDP2), 2x2 (FSDP2 x TP)
-            and tp4 at the same global batch: median step time (rank 0) and, per rank, the bytes of its
-            parameters, gradients and AdamW state (local shards) and its peak RSS.
+  layouts:  4 gloo processes (no Ray), a Llama from a config (--hidden): dp4 (FSDP2), 2x2 (FSDP2 x TP),
+            tp4, pp2 x dp2, pp2 x tp2 and pp4 (pipeline stages, 1F1B), and 2x2x2 (pp x dp x tp on 8
+            processes) at the same global batch: median step time (rank 0; the best of --rounds rounds,
+            the layouts' order rotated, on a shared machine) and, per rank (the largest), the bytes of
+            its parameters, gradients and AdamW state (local shards) and its peak RSS.
   elastic:  the same with num_workers [1, 2] and no node replacing the lost one: the seconds from the
             loss to the first step of the one worker left (target: <= 20 s), against a fresh run's.
 Timings never decide a test; on a shared machine, rerun for stable figures.
@@ -82,7 +84,13 @@ def bench_saves(tmp: str, mb: int, steps: int, rounds: int, strategies: list[str
 
 # ---------------------------------------------------------------- layouts
 
-LAYOUTS = {"dp4": {"dp_shard_size": 4}, "2x2": {"dp_shard_size": 2, "tp_size": 2}, "tp4": {"tp_size": 4}}
+LAYOUTS = {"dp4": {"dp_shard_size": 4}, "2x2": {"dp_shard_size": 2, "tp_size": 2}, "tp4": {"tp_size": 4},
+           "pp2xdp2": {"pp_size": 2, "dp_shard_size": 2}, "pp2xtp2": {"pp_size": 2, "tp_size": 2},
+           "pp4": {"pp_size": 4}, "2x2x2": {"pp_size": 2, "dp_shard_size": 2, "tp_size": 2}}
+
+
+def _world(layout: dict) -> int:
+    return layout.get("pp_size", 1) * layout.get("tp_size", 1) * layout.get("dp_shard_size", 1)
 
 
 def _layouts_rank(rank: int, port: int, hidden: int, steps: int, result: str, name: str) -> None:
@@ -95,9 +103,10 @@ def _layouts_rank(rank: int, port: int, hidden: int, steps: int, result: str, na
     from raytrain import Trainer, TrainerCallback, TrainingArguments
     from raytrain.worker import loop
 
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="4", LOCAL_WORLD_SIZE="4")
+    world = _world(LAYOUTS[name])
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 
     class Marks(TrainerCallback):
         def __init__(self):
@@ -115,11 +124,11 @@ def _layouts_rank(rank: int, port: int, hidden: int, steps: int, result: str, na
     ids = np.random.default_rng(0).integers(0, 2048, (8 * steps, 128))
     out = {}
     for name, layout in [(name, LAYOUTS[name])]:  # one layout per process group: its own peak RSS
-        dp = 4 // layout.get("tp_size", 1)
+        dp = world // (layout.get("tp_size", 1) * layout.get("pp_size", 1))
         args = TrainingArguments(output_dir=tempfile.mkdtemp(prefix="rtlayout"), max_steps=steps,
                                  per_device_train_batch_size=8 // dp, learning_rate=1e-4, logging_steps=10**6,
                                  save_strategy="no", disable_tqdm=True, report_to="none",
-                                 scaling={"num_workers": 4}, parallelism_config=layout,
+                                 scaling={"num_workers": world}, parallelism_config=layout,
                                  distributed={"strategy": "fsdp"})
         torch.manual_seed(0)
         model = LlamaForCausalLM(LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=4,
@@ -129,7 +138,7 @@ def _layouts_rank(rank: int, port: int, hidden: int, steps: int, result: str, na
         step = statistics.median([b - a for a, b in zip(marks.times[1:], marks.times[2:])])
         out[name] = {"step_s": step, "state_mb": marks.state_bytes / 2**20,
                      "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
-    all_ranks = [None] * 4
+    all_ranks = [None] * world
     dist.all_gather_object(all_ranks, out)
     dist.destroy_process_group()
     if rank == 0:
@@ -137,23 +146,31 @@ def _layouts_rank(rank: int, port: int, hidden: int, steps: int, result: str, na
             json.dump(all_ranks, f)
 
 
-def bench_layouts(hidden: int, steps: int) -> dict:
+def bench_layouts(hidden: int, steps: int, names: list[str], rounds: int = 1) -> dict:
+    """Each layout `rounds` times, their order rotated; a layout's best round (the least disturbed)."""
+    out: dict = {}
+    for i in range(rounds):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            got = _layout_once(name, hidden, steps)
+            if name not in out or got["step_s"] < out[name]["step_s"]:
+                out[name] = got
+    return {name: out[name] for name in names}
+
+
+def _layout_once(name: str, hidden: int, steps: int) -> dict:
     import socket
 
     import torch.multiprocessing as mp
 
-    ranks = [{} for _ in range(4)]
-    for name in LAYOUTS:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        result = os.path.join(tempfile.mkdtemp(prefix="rtlayouts"), "r.json")
-        mp.spawn(_layouts_rank, args=(port, hidden, steps, result, name), nprocs=4, join=True)
-        with open(result) as f:
-            for mine, got in zip(ranks, json.load(f)):
-                mine.update(got)
-    return {name: {"step_s": ranks[0][name]["step_s"], "state_mb": max(r[name]["state_mb"] for r in ranks),
-                   "max_rss_mb": max(r[name]["max_rss_mb"] for r in ranks)} for name in LAYOUTS}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    result = os.path.join(tempfile.mkdtemp(prefix="rtlayouts"), "r.json")
+    mp.spawn(_layouts_rank, args=(port, hidden, steps, result, name), nprocs=_world(LAYOUTS[name]), join=True)
+    with open(result) as f:
+        ranks = [r[name] for r in json.load(f)]
+    return {"step_s": ranks[0]["step_s"], "state_mb": max(r["state_mb"] for r in ranks),
+            "max_rss_mb": max(r["max_rss_mb"] for r in ranks), "world": len(ranks)}
 
 
 # ---------------------------------------------------------------- recovery
@@ -206,6 +223,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--parts", default="saves,recovery", help="of saves, recovery, elastic, layouts")
     p.add_argument("--hidden", type=int, default=256, help="for layouts: the Llama's hidden size")
+    p.add_argument("--layouts", default=",".join(LAYOUTS), help="for layouts: which (dp4 first, the reference)")
     p.add_argument("--strategies", default="ddp,fsdp,deepspeed", help="for saves (deepspeed: ZeRO-2)")
     a = p.parse_args()
     parts = set(a.parts.split(","))
@@ -229,9 +247,11 @@ def main() -> None:
                       f"({m[mode]['median'] / m['none']['median']:.2f}x), mean {m[mode]['mean'] * 1e3:.1f} vs "
                       f"{m['none']['mean'] * 1e3:.1f} ms ({m[mode]['mean'] / m['none']['mean']:.2f}x)")
     if "layouts" in parts:
-        r = bench_layouts(a.hidden, a.steps)
+        names = ["dp4"] + [n for n in a.layouts.split(",") if n != "dp4"]
+        r = bench_layouts(a.hidden, a.steps, names, a.rounds)
         for name, m in r.items():
-            print(f"layouts {name}: median step {m['step_s'] * 1e3:.0f} ms ({m['step_s'] / r['dp4']['step_s']:.2f}x dp4), "
+            print(f"layouts {name} ({m['world']} processes): median step {m['step_s'] * 1e3:.0f} ms "
+                  f"({m['step_s'] / r['dp4']['step_s']:.2f}x dp4), "
                   f"params+grads+AdamW per rank {m['state_mb']:.1f} MiB ({m['state_mb'] / r['dp4']['state_mb']:.2f}x "
                   f"dp4), peak RSS per rank {m['max_rss_mb']:.0f} MiB ({m['max_rss_mb'] / r['dp4']['max_rss_mb']:.2f}x dp4)")
     for part in ("recovery", "elastic"):

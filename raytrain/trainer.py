@@ -11,12 +11,13 @@ import torch
 
 from .callbacks import CallbackHandler, DefaultFlowCallback, PrinterCallback, ProgressCallback
 from .callbacks.state import PredictionOutput, TrainerControl, TrainerState, TrainOutput
-from .config.args import TrainingArguments
+from .config.args import ConfigError, TrainingArguments
 from .config.seq2seq import Seq2SeqTrainingArguments
 from .data.columns import is_named_datasets
 from .hf import adapters, objects as hf
 from .hf.metrics import MemoryTracker
 from .hf.optim import create_optimizer, create_scheduler
+from .hf.pipeline import PipelineMethods
 from .hf.seq2seq import Seq2SeqMethods
 from .hf.skeleton import ExampleScriptMethods
 from .hf.trackers import integration_callbacks
@@ -32,7 +33,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["Seq2SeqTrainer", "Trainer", "set_seed", "trainer_class"]
 
 
-class Trainer(HFOverridePoints, ExampleScriptMethods):
+class Trainer(HFOverridePoints, ExampleScriptMethods, PipelineMethods):
     """Train, evaluate and predict with a PyTorch model, as HF's Trainer does (same arguments, same
     overridable methods, same events).
 
@@ -115,6 +116,10 @@ class Trainer(HFOverridePoints, ExampleScriptMethods):
             raise ValueError("Trainer: training requires a train_dataset.")
         self.ignore_keys_for_eval = ignore_keys_for_eval
         if self.args.should_use_distributed:
+            try:  # a model that cannot be split into the layout's stages: before any worker starts (CLI: exit 2)
+                self._check_pipeline()
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
             from .driver.launch import run_distributed
             return run_distributed(self, resume_from_checkpoint)
         if self.model_init is not None:  # as HF: every train() starts from a fresh, seeded model
@@ -344,6 +349,9 @@ class Trainer(HFOverridePoints, ExampleScriptMethods):
     def training_step(self, model, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
         """Forward and backward for one micro-batch; returns the detached loss (no host sync)."""
         strategy = self._strategy
+        if strategy.pipeline is not None:  # pp_size > 1: through this rank's stages (hf/pipeline.py)
+            return self._pipeline_training_step(model, inputs, num_items_in_batch,
+                                                type(self).compute_loss is not Trainer.compute_loss)
         if not model.training:  # model.train() walks every module: only after an evaluation
             model.train()
         optimizer = self.optimizer
@@ -361,6 +369,8 @@ class Trainer(HFOverridePoints, ExampleScriptMethods):
     def prediction_step(self, model, inputs: dict, prediction_loss_only: bool, ignore_keys: list[str] | None = None):
         """(loss, predictions, labels) for one evaluation batch; loss is the batch's mean; predictions are
         every non-loss output (a tuple when there are several), as HF."""
+        if self.get_strategy().pipeline is not None:
+            return self._pipeline_prediction_step(model, inputs, prediction_loss_only)
         has_labels = bool(self.label_names) and all(inputs.get(k) is not None for k in self.label_names)
         labels = None
         if has_labels:

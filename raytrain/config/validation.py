@@ -254,16 +254,24 @@ class ArgumentRules(StrictModel):
             dims = ParallelDims.resolve(sizes, scaling.num_workers)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        if dims.tp > 1 and scaling.elastic:
-            raise ConfigError(f"parallelism_config.tp_size: {dims.tp} with an elastic scaling.num_workers range "
-                              "is not supported; fix num_workers or set tp_size 1")
+        for name, size in (("pp_size", dims.pp), ("tp_size", dims.tp)):
+            if size > 1 and scaling.elastic:
+                raise ConfigError(f"parallelism_config.{name}: {size} with an elastic scaling.num_workers range "
+                                  f"is not supported; fix num_workers or set {name} 1")
+        if dims.pp > 1 and dist.strategy in ("ddp", "deepspeed"):
+            raise ConfigError(f"parallelism_config.pp_size: pipeline stages need distributed.strategy fsdp (or "
+                              f"auto), not {dist.strategy}")
+        try:
+            dims.check_batch(self.per_device_train_batch_size)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if dist.strategy == "deepspeed" and (dims.tp > 1 or dims.dp_replicate > 1):
             raise ConfigError("parallelism_config: tp_size / dp_replicate_size > 1 need distributed.strategy fsdp "
                               "(FSDP2), not deepspeed (ZeRO shards over every rank)")
         if dist.strategy == "ddp" and (dims.tp > 1 or dims.dp_replicate > 1):
             raise ConfigError("parallelism_config: tp_size / dp_replicate_size > 1 need distributed.strategy fsdp "
                               "(or auto), not ddp")
-        if dist.strategy == "auto" and (dims.tp > 1 or dims.dp_replicate > 1):
+        if dist.strategy == "auto" and (dims.tp > 1 or dims.dp_replicate > 1 or dims.pp > 1):
             self.__dict__["distributed"] = type(dist).model_validate({**dist.model_dump(), "strategy": "fsdp"})
 
     def _resolve_aliases(self) -> None:

@@ -21,6 +21,7 @@ import torch
 from ..checkpoint import store as ckpt
 from . import objects as hf
 from ..strategies.base import frozen_names, unwrap_model
+from ..strategies.pipeline import Absent
 
 logger = logging.getLogger(__name__)
 
@@ -37,13 +38,17 @@ def save_adapter(peft: Any, state: dict[str, torch.Tensor], directory: str) -> l
     """PEFT's save_pretrained from `state`, the consolidated weights by the model's own names (what a
     strategy's model_state_dict returns): the adapter, its config and PEFT's README; the names written."""
     before = set(os.listdir(directory)) if os.path.isdir(directory) else set()
+    if any(isinstance(m, Absent) for m in peft.modules()):  # a pipeline stage: PEFT picks by the whole model's modules
+        peft = _skeleton(peft)
     peft.save_pretrained(directory, state_dict=state, safe_serialization=True)
     return sorted(set(os.listdir(directory)) - before)
 
 
-def to_model_names(peft: Any, adapter: dict[str, torch.Tensor], source: str) -> dict[str, torch.Tensor]:
+def to_model_names(peft: Any, adapter: dict[str, torch.Tensor], source: str,
+                   stage: bool = False) -> dict[str, torch.Tensor]:
     """An adapter file's tensors under the model's own state_dict names (PEFT's names for it, computed by
-    PEFT's get_peft_model_state_dict and inverted); every trainable parameter must be among them."""
+    PEFT's get_peft_model_state_dict and inverted); every trainable parameter must be among them.
+    `stage`: the model is a pipeline stage, which takes its own tensors and leaves the other stages'."""
     from peft import get_peft_model_state_dict
 
     own = peft.state_dict()
@@ -53,7 +58,9 @@ def to_model_names(peft: Any, adapter: dict[str, torch.Tensor], source: str) -> 
         saved = get_peft_model_state_dict(peft, state_dict=own, adapter_name=adapter_name)
         names.update({k: by_id[id(v)] for k, v in saved.items() if id(v) in by_id})
     unknown = sorted(set(adapter) - set(names))
-    if unknown:
+    if stage:
+        adapter = {k: v for k, v in adapter.items() if k in names}
+    elif unknown:
         raise ckpt.CheckpointError(f"{source}: {len(unknown)} tensors this model's adapter does not have "
                                    f"(e.g. {unknown[0]}): an adapter of another model or LoRA configuration")
     state = {names[k]: v for k, v in adapter.items()}
@@ -71,7 +78,8 @@ def load_weights(strategy: Any, weights: dict[str, torch.Tensor], directory: str
     if peft is None or not os.path.isfile(source):
         strategy.load_model_state_dict(weights)
         return
-    strategy.load_model_state_dict(to_model_names(peft, weights, source), strict=False)
+    state = to_model_names(peft, weights, source, stage=getattr(strategy, "pipeline", None) is not None)
+    strategy.load_model_state_dict(state, strict=False)
 
 
 def load_trained(model: Any, state: dict[str, torch.Tensor]) -> None:
@@ -91,20 +99,11 @@ def save_merged(peft: Any, state: dict[str, torch.Tensor], directory: str, proce
     """The adapter merged into its base (PEFT's merge_and_unload) as a transformers model that
     from_pretrained loads. Built on the meta device from the base's config and `state` (consolidated
     weights, copied: the merge writes into them), so it works alike for every backend, on rank 0."""
-    from peft import get_peft_model
-
     base = peft.get_base_model()
     if not hf.is_pretrained_model(base):
         raise ValueError(f"save_merged_model: the base model is a {type(base).__name__}, not a transformers "
                          "model that from_pretrained could load; save the adapter alone")
-    first, *others = peft.peft_config
-    with torch.device("meta"), warnings.catch_warnings():  # peft 0.21 reads transformers 5's deprecated name
-        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
-        skeleton = get_peft_model(type(base)(copy.deepcopy(base.config)), copy.deepcopy(peft.peft_config[first]),
-                                  adapter_name=first)
-        for name in others:
-            skeleton.add_adapter(name, copy.deepcopy(peft.peft_config[name]))
-    skeleton.set_adapter(peft.active_adapter)
+    skeleton = _skeleton(peft)
     skeleton.load_state_dict({k: v.detach().clone() for k, v in state.items()}, strict=True, assign=True)
     merged = skeleton.merge_and_unload()
     os.makedirs(directory, exist_ok=True)
@@ -113,6 +112,22 @@ def save_merged(peft: Any, state: dict[str, torch.Tensor], directory: str, proce
     if processing_class is not None and hasattr(processing_class, "save_pretrained"):
         processing_class.save_pretrained(directory)
     return directory
+
+
+def _skeleton(peft: Any) -> Any:
+    """The PEFT model rebuilt whole on the meta device from its base's config and its adapters' configs."""
+    from peft import get_peft_model
+
+    base = peft.get_base_model()
+    first, *others = peft.peft_config
+    with torch.device("meta"), warnings.catch_warnings():  # peft 0.21 reads transformers 5's deprecated name
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated", FutureWarning)
+        skeleton = get_peft_model(type(base)(copy.deepcopy(base.config)), copy.deepcopy(peft.peft_config[first]),
+                                  adapter_name=first)
+        for name in others:
+            skeleton.add_adapter(name, copy.deepcopy(peft.peft_config[name]))
+    skeleton.set_adapter(peft.active_adapter)
+    return skeleton
 
 
 def save_model_dir(model: Any, state: dict[str, torch.Tensor], processing_class: Any, args: Any,

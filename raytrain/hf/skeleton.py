@@ -100,9 +100,10 @@ class ExampleScriptMethods:
             return len(dataloader) * self.args.per_device_train_batch_size
 
     def get_total_train_batch_size(self, args: Any) -> int:
-        """Samples per update step over all processes, as HF; a TP group's ranks share their batch."""
-        tp = (getattr(args, "parallelism_config", None) or {}).get("tp_size", 1)
-        return args.per_device_train_batch_size * args.gradient_accumulation_steps * (args.world_size // tp)
+        """Samples per update step over all processes, as HF; a TP group's and a pipeline's ranks share their batch."""
+        config = getattr(args, "parallelism_config", None) or {}
+        shared = config.get("tp_size", 1) * config.get("pp_size", 1)
+        return args.per_device_train_batch_size * args.gradient_accumulation_steps * (args.world_size // shared)
 
     def get_num_trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.model.parameters() if p.requires_grad)

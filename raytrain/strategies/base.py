@@ -54,6 +54,8 @@ class Strategy:
         self.dp_rank, self.dp_size = 0, 1
         #: The mesh's sizes (parallelism_config), recorded in checkpoints; None: plain data parallel.
         self.layout: dict[str, int] | None = None
+        #: This rank's pipeline stages (strategies/pipeline.py) when pp_size > 1: the Trainer's steps run them.
+        self.pipeline = None
 
     @property
     def is_main(self) -> bool:
@@ -120,6 +122,10 @@ class Strategy:
     # -- collectives (identity in one process)
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         return tensor
+
+    def reduce_loss(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The step losses of every rank summed (each holds its share; under PP, the last stage's ranks)."""
+        return self.all_reduce(tensor)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         return [obj]
@@ -277,22 +283,40 @@ class TorchDistributedMixin:
             dist.barrier()
 
 
-def _read_dcp_optimizer(model: torch.nn.Module, optimizer, directory: str) -> dict:
+def _read_dcp_optimizer(model: torch.nn.Module, optimizer, directory: str) -> tuple[bool, dict]:
     """Optimizer state saved with torch.distributed.checkpoint, re-sharded to this run's layout
-    (DCP maps the saved shards onto whatever the current parameters are: full tensors or DTensors)."""
+    (DCP maps the saved shards onto whatever the current parameters are: full tensors or DTensors).
+    (flattened, state): a pipelined run saves it flattened (torch's flatten_optimizer_state_dict: one
+    entry per parameter name, as torchtitan does), since its stages' parameter groups differ; a run of
+    whole models saved the groups as lists of names, of which a stage keeps its own."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
+    flat = "optimizer.param_groups.0.params" not in dcp.FileSystemReader(directory).read_metadata().state_dict_metadata
     # get_optimizer_state_dict first creates the state tensors of an optimizer that never stepped.
-    state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+    template = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=flat))
+    own = set() if flat else {n for g in template["param_groups"] for n in g["params"]}
+    state = {"optimizer": template}
     dcp.load(state, checkpoint_id=directory)
-    return state["optimizer"]
+    if not flat:
+        for group in state["optimizer"]["param_groups"]:
+            group["params"] = [n for n in group["params"] if n in own]
+    return flat, state["optimizer"]
 
 
-def _set_optimizer_state(model: torch.nn.Module, optimizer, state: dict) -> None:
-    from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+def _set_optimizer_state(model: torch.nn.Module, optimizer, value: tuple[bool, dict]) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    set_optimizer_state_dict(model, optimizer, state)
+    flat, state = value
+    # A group with no parameters here (LoRA's undecayed; a stage's) has no flattened entries to bring its
+    # settings back, and torch's unflattening cannot take it: set aside meanwhile, as it was.
+    empty = {i: g for i, g in enumerate(optimizer.param_groups) if not g["params"]} if flat else {}
+    optimizer.param_groups = [g for i, g in enumerate(optimizer.param_groups) if i not in empty]
+    try:
+        set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(flatten_optimizer_state_dict=flat))
+    finally:
+        for i in sorted(empty):
+            optimizer.param_groups.insert(i, empty[i])
 
 
 def enable_gradient_checkpointing(model: torch.nn.Module, kwargs: dict[str, Any] | None = None) -> None:

@@ -12,6 +12,8 @@ Options, from `distributed.fsdp`:
   min_num_params           or: shard separately every submodule holding at least this many parameters
 2-D (parallelism_config with tp_size > 1, or dp_replicate_size > 1 for HSDP): the model's tensor-parallel
 plan is applied on the mesh's tp dim first, then fully_shard on its data-parallel dims (torchtitan's order).
+3-D (pp_size > 1): the model is first cut to this rank's pipeline stages (strategies/pipeline.py), then
+TP, then FSDP2 per stage, each stage's view its own FSDP root (torchtitan's order).
 Checkpoints: model.safetensors is the consolidated full state dict (rank 0); the optimizer state is
 saved sharded with torch.distributed.checkpoint into the checkpoint's dcp/ directory.
 """
@@ -33,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from . import tp as tensor_parallel
-from .base import DCP_DIR, Strategy, TorchDistributedMixin
+from .base import DCP_DIR, Strategy, TorchDistributedMixin, enable_gradient_checkpointing
 from .mesh import ParallelDims
 
 logger = logging.getLogger(__name__)
@@ -62,7 +64,9 @@ class FSDPStrategy(TorchDistributedMixin, Strategy):
         self.dims = ParallelDims.resolve(args.parallelism_config, self.world_size)
         self.dims.check_local(int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None)
         self.dp_rank, self.dp_size = self.dims.dp_rank(self.rank), self.dims.dp
-        self._dp_group = self.dims.dp_group(self.rank) if self.dims.tp > 1 else None
+        self._dp_group = self.dims.dp_group(self.rank) if self.dims.tp > 1 or self.dims.pp > 1 else None
+        self._loss_group = self.dims.loss_group(self.rank) if self.dims.pp > 1 else None
+        self._pp_group = None
         self.layout = self.dims.as_dict()
 
     # -- set-up
@@ -72,13 +76,21 @@ class FSDPStrategy(TorchDistributedMixin, Strategy):
         if optimizer is not None:
             raise ValueError("distributed.strategy=fsdp: a ready-made optimizer refers to the unsharded "
                              "parameters; leave Trainer(optimizers=...) empty so it is built after sharding")
+        if self.dims.pp > 1:  # cut to this rank's stages first: what it does not run is never placed
+            from .pipeline import Pipeline
+
+            self.pipeline = Pipeline(model, self.dims, self.dims.pp_rank(self.rank),
+                                     self.args.per_device_train_batch_size)
         model = model.to(self.device)
+        if self.pipeline is not None and self.args.activation_checkpointing:  # HF's switch, on the stages' layers
+            enable_gradient_checkpointing(model, self.args.activation_checkpointing_kwargs)
         blocks = self._blocks(model)
         if self.options.get("activation_checkpointing"):
             for block in blocks or [model]:
                 _checkpoint_forward(block)
+        # under PP, parameters stay gathered across a step's microbatches unless asked (torchtitan's default)
         kwargs = {"mesh": self._dp_mesh(model),
-                  "reshard_after_forward": bool(self.options.get("reshard_after_forward", True))}
+                  "reshard_after_forward": bool(self.options.get("reshard_after_forward", self.dims.pp == 1))}
         mp = self._mixed_precision()
         if mp is not None:
             kwargs["mp_policy"] = MixedPrecisionPolicy(**mp)
@@ -86,14 +98,21 @@ class FSDPStrategy(TorchDistributedMixin, Strategy):
             logger.warning("distributed.fsdp.cpu_offload: ignored without GPUs (everything is in CPU memory)")
         elif self.options.get("cpu_offload"):
             kwargs["offload_policy"] = CPUOffloadPolicy()
+        roots = [model]
+        if self.pipeline is not None:
+            roots = self.pipeline.make_stages(self.device, self._pp_group)
+            self.pipeline.sync_group = torch.distributed.group.WORLD if self.dims.dp > 1 else None
         if self.dims.dp > 1:  # tp alone: no data-parallel dim to shard over
             for block in blocks:
                 fully_shard(block, **kwargs)
-            fully_shard(model, **kwargs)
+            for root in roots:
+                fully_shard(root, **kwargs)
         self.optimizer = optimizer_factory(model)
         if self.dims.tp > 1:
             tensor_parallel.unfuse_mixed_groups(self.optimizer)
-        self.model = torch.compile(model) if self.args.torch_compile else model
+        if self.args.torch_compile and self.pipeline is not None:
+            logger.warning("torch_compile: not applied under pipeline parallelism (pp_size > 1)")
+        self.model = torch.compile(model) if self.args.torch_compile and self.pipeline is None else model
         return self.model, self.optimizer
 
     def _dp_mesh(self, model):
@@ -101,9 +120,10 @@ class FSDPStrategy(TorchDistributedMixin, Strategy):
         from torch.distributed.device_mesh import init_device_mesh
 
         dims = self.dims
-        if dims.tp == 1 and dims.dp_replicate == 1:
+        if dims.tp == 1 and dims.dp_replicate == 1 and dims.pp == 1:
             return init_device_mesh(self.device.type, (self.world_size,))
         mesh = dims.build_mesh(self.device.type)
+        self._pp_group = mesh["pp"].get_group() if dims.pp > 1 else None
         if dims.tp > 1:
             tensor_parallel.apply_tp(model, mesh["tp"], self.args.tp_plan)
         return mesh["dp_replicate", "dp_shard"] if dims.dp_replicate > 1 else mesh["dp_shard"]
@@ -154,14 +174,14 @@ class FSDPStrategy(TorchDistributedMixin, Strategy):
 
     # -- the step
     def no_sync(self):
-        if self.dims.dp == 1:
+        if self.dims.dp == 1 or self.pipeline is not None:  # a pipeline step reduces its own gradients
             return contextlib.nullcontext()
         return _requires_gradient_sync(self.unwrap(self.model), False)
 
     def clip_grad_norm(self, max_norm):
-        if self.dims.tp > 1:  # DTensors on two meshes (dp x tp, dp)
+        if self.dims.tp > 1 or self.pipeline is not None:  # DTensors on two meshes (dp x tp, dp); stages apart
             return tensor_parallel.clip_grad_norm([p for p in self.model.parameters() if p.grad is not None],
-                                                  max_norm)
+                                                  max_norm, self._pp_group, self.device)
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         total = torch.nn.utils.get_total_norm(grads, foreach=True)
         if hasattr(total, "full_tensor"):  # a DTensor: the norm of this rank's shards, reduced to all
@@ -181,21 +201,56 @@ class FSDPStrategy(TorchDistributedMixin, Strategy):
         dist.all_reduce(out, dist.ReduceOp.SUM, group=self._dp_group)
         return out / self.dp_size if op == "mean" else out
 
+    def reduce_loss(self, tensor):
+        """Under PP the last stage's ranks hold the loss (the others zero): summed over every stage."""
+        import torch.distributed as dist
+
+        if self.pipeline is None:
+            return self.all_reduce(tensor)
+        out = torch.as_tensor(tensor).to(self.device, copy=True)
+        dist.all_reduce(out, dist.ReduceOp.SUM, group=self._loss_group)
+        return out
+
     def data_parallel_view(self, per_rank: list) -> list:
-        return [x for r, x in enumerate(per_rank) if self.dims.tp_rank(r) == 0]
+        """One item per data-parallel rank: a TP group's first rank's, of the last pipeline stage."""
+        last = self.dims.pp - 1
+        return [x for r, x in enumerate(per_rank) if self.dims.tp_rank(r) == 0 and self.dims.pp_rank(r) == last]
 
     # -- state for checkpoints
     def model_state_dict(self, all_ranks: bool = False, trainable_only: bool = False):
         """Gathered from the shards; on CPU and on rank 0 only unless `all_ranks`. A collective."""
+        if self.pipeline is not None:
+            return self._gather_stages(all_ranks, trainable_only)
         options = StateDictOptions(full_state_dict=True, cpu_offload=not all_ranks, ignore_frozen_params=trainable_only)
         state = get_model_state_dict(self.unwrap(self.model), options=options)
         if not state:
             return None
         return {k: v.detach().cpu() for k, v in state.items()}
 
+    def _gather_stages(self, all_ranks: bool, trainable_only: bool):
+        """Each stage's full weights (gathered within it), then every stage's on rank 0 (or on all)."""
+        import torch.distributed as dist
+
+        self.pipeline.reshard()
+        options = StateDictOptions(full_state_dict=True, cpu_offload=False, ignore_frozen_params=trainable_only)
+        state = get_model_state_dict(self.unwrap(self.model), options=options)
+        leader = self.dims.dp_rank(self.rank) == 0 and self.dims.tp_rank(self.rank) == 0
+        mine = {k: v.detach().cpu() for k, v in state.items()} if leader else None
+        if all_ranks:
+            parts = self.all_gather_object(mine)
+        else:
+            parts = [None] * self.world_size if self.rank == 0 else None
+            dist.gather_object(mine, parts, dst=0)
+        if parts is None:
+            return None
+        return {k: v for part in parts if part for k, v in part.items()}
+
     def load_model_state_dict(self, state, strict: bool = True):
-        set_model_state_dict(self.unwrap(self.model), state,
-                             options=StateDictOptions(full_state_dict=True, strict=strict))
+        model = self.unwrap(self.model)
+        if self.pipeline is not None:  # the whole model's weights: this rank's stages take theirs
+            own = set(model.state_dict())
+            state = {k: v for k, v in state.items() if k in own}
+        set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=strict))
 
     def optimizer_state_dict(self):
         return None  # saved sharded, by save_sharded
@@ -208,8 +263,13 @@ class FSDPStrategy(TorchDistributedMixin, Strategy):
     def load_optimizer_state_dict(self, state):
         """A full torch optimizer state_dict (optimizer.pt of a DDP or single-process run), re-sharded."""
         model = self.unwrap(self.model)
-        set_optimizer_state_dict(model, self.optimizer, _by_name(model, self.optimizer, state),
-                                 options=StateDictOptions(full_state_dict=True))
+        if self.pipeline is not None:
+            from .pipeline import stage_optimizer_state
+
+            state = stage_optimizer_state(self.pipeline.whole_groups, {n for n, _ in model.named_parameters()}, state)
+        else:
+            state = _by_name(model, self.optimizer, state)
+        set_optimizer_state_dict(model, self.optimizer, state, options=StateDictOptions(full_state_dict=True))
 
     @property
     def has_sharded_state(self) -> bool:
@@ -221,7 +281,9 @@ class FSDPStrategy(TorchDistributedMixin, Strategy):
         DCP's thread with its collectives on that group; the future is done once the files are fsynced."""
         import torch.distributed.checkpoint as dcp
 
-        state = {"optimizer": get_optimizer_state_dict(self.unwrap(self.model), self.optimizer)}
+        # a pipeline's stages hold different parameter groups: saved flattened, one entry per parameter name
+        options = StateDictOptions(flatten_optimizer_state_dict=self.pipeline is not None)
+        state = {"optimizer": get_optimizer_state_dict(self.unwrap(self.model), self.optimizer, options=options)}
         path = os.path.join(directory, DCP_DIR)
         if process_group is None:
             dcp.save(state, checkpoint_id=path)

@@ -1,9 +1,11 @@
-"""The layout of a run over its ranks (torchtitan's ParallelDims): data-parallel replicas (HSDP's
-replicate dim), data-parallel shards (FSDP2) and tensor-parallel groups, sized from HF's
-`parallelism_config` and built once into a device mesh.
+"""The layout of a run over its ranks (torchtitan's ParallelDims): pipeline stages, data-parallel
+replicas (HSDP's replicate dim), data-parallel shards (FSDP2) and tensor-parallel groups, sized from HF's
+`parallelism_config` (pp_size, pp_schedule and pp_microbatches are raytrain's extension of it) and built
+once into a device mesh.
 
-Mesh dims, outermost first: dp_replicate, dp_shard, tp. TP is innermost, so a TP group is consecutive
-ranks: the workers of one node (Ray places them PACKed, local ranks in order).
+Mesh dims, outermost first: pp, dp_replicate, dp_shard, tp. TP is innermost, so a TP group is consecutive
+ranks: the workers of one node (Ray places them PACKed, local ranks in order); pp outermost, so a stage's
+point-to-point sends are the only traffic between its groups of ranks.
 """
 
 from __future__ import annotations
@@ -11,7 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-FIELDS = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size")
+FIELDS = ("dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "sp_size", "pp_size", "pp_schedule",
+          "pp_microbatches")
+#: torch.distributed.pipelining's schedule names (get_schedule_class's) that train and evaluate; the
+#: multi-stage ones run two stages per rank, looped (rank r: stages r and r + pp), torchtitan's default.
+#: (The V-shaped ZBVZeroBubble and DualPipeV cannot evaluate in torch 2.13: forward-only steps fail.)
+SINGLE_STAGE = ("1F1B", "GPipe")
+MULTI_STAGE = ("Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble")
 
 
 def normalize(config: Any) -> dict[str, int] | None:
@@ -29,9 +37,13 @@ def normalize(config: Any) -> dict[str, int] | None:
     else:
         raise ValueError(f"parallelism_config: a mapping of {', '.join(FIELDS)} or accelerate's "
                          f"ParallelismConfig, got {type(config).__name__}")
-    out = {"dp_replicate_size": 1, "dp_shard_size": -1, "tp_size": 1, "cp_size": 1, "sp_size": 1}
+    out = {"dp_replicate_size": 1, "dp_shard_size": -1, "tp_size": 1, "cp_size": 1, "sp_size": 1, "pp_size": 1,
+           "pp_schedule": "1F1B", "pp_microbatches": None}
     for key, value in raw.items():
         if value is None:
+            continue
+        if key == "pp_schedule":
+            out[key] = schedule_name(value)
             continue
         if isinstance(value, bool) or not isinstance(value, int) or (value < 1 and not (key == "dp_shard_size"
                                                                                          and value == -1)):
@@ -41,48 +53,101 @@ def normalize(config: Any) -> dict[str, int] | None:
     if out["cp_size"] > 1:
         raise ValueError(f"parallelism_config.cp_size: context parallelism needs CUDA (ring attention over "
                          f"NCCL); set cp_size 1, got {out['cp_size']}")
+    if out["pp_size"] == 1:  # no pipeline: its settings mean nothing (and the mapping stays HF's)
+        for key in ("pp_size", "pp_schedule", "pp_microbatches"):
+            del out[key]
     if out.pop("sp_size") > 1:
         raise ValueError("parallelism_config.sp_size: sequence parallelism (accelerate's, DeepSpeed Ulysses) is not "
                          "supported; set sp_size 1 (tp_plan's sequence_parallel style splits norms along TP)")
     return out
 
 
+def schedule_name(value: Any) -> str:
+    """A pp_schedule as torch spells it (matched without case, as get_schedule_class does); one-line error."""
+    names = SINGLE_STAGE + MULTI_STAGE
+    found = next((n for n in names if isinstance(value, str) and n.lower() == value.lower()), None)
+    if found is None:
+        raise ValueError(f"parallelism_config.pp_schedule: one of {', '.join(names)}, got {value!r}")
+    return found
+
+
 @dataclass(frozen=True)
 class ParallelDims:
-    """Validated sizes; `dp_replicate * dp_shard * tp == world_size`."""
+    """Validated sizes; `pp * dp_replicate * dp_shard * tp == world_size`."""
 
     dp_replicate: int
     dp_shard: int
     tp: int
     world_size: int
+    pp: int = 1
+    pp_schedule: str = "1F1B"
+    pp_microbatches: int | None = None  # None: one per sample of the per-rank batch (torchtitan's default)
 
     @classmethod
     def resolve(cls, config: Any, world_size: int) -> ParallelDims:
         """Sizes for `world_size` ranks (dp_shard -1: what the other dims leave); one-line ValueError."""
-        c = normalize(config) or {"dp_replicate_size": 1, "dp_shard_size": -1, "tp_size": 1, "cp_size": 1}
-        rep, shard, tp = c["dp_replicate_size"], c["dp_shard_size"], c["tp_size"]
+        c = normalize(config) or normalize({})
+        rep, shard, tp, pp = c["dp_replicate_size"], c["dp_shard_size"], c["tp_size"], c.get("pp_size", 1)
+        lead = f"pp_size {pp} x " if pp > 1 else ""
         if shard == -1:
-            if world_size % (rep * tp):
-                raise ValueError(f"parallelism_config: dp_replicate_size {rep} x tp_size {tp} must divide the "
+            if world_size % (pp * rep * tp):
+                raise ValueError(f"parallelism_config: {lead}dp_replicate_size {rep} x tp_size {tp} must divide the "
                                  f"world size (scaling.num_workers) {world_size}")
-            shard = world_size // (rep * tp)
-        if rep * shard * tp != world_size:
-            raise ValueError(f"parallelism_config: dp_replicate_size {rep} x dp_shard_size {shard} x tp_size {tp} "
-                             f"= {rep * shard * tp} must equal the world size (scaling.num_workers) {world_size}")
-        return cls(rep, shard, tp, world_size)
+            shard = world_size // (pp * rep * tp)
+        if pp * rep * shard * tp != world_size:
+            raise ValueError(f"parallelism_config: {lead}dp_replicate_size {rep} x dp_shard_size {shard} x tp_size "
+                             f"{tp} = {pp * rep * shard * tp} must equal the world size (scaling.num_workers) "
+                             f"{world_size}")
+        return cls(rep, shard, tp, world_size, pp, c.get("pp_schedule", "1F1B"), c.get("pp_microbatches"))
 
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
 
+    @property
+    def stages_per_rank(self) -> int:
+        return 2 if self.pp_schedule in MULTI_STAGE else 1
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.stages_per_rank
+
     def dp_rank(self, rank: int) -> int:
-        return rank // self.tp
+        return (rank // self.tp) % self.dp
 
     def tp_rank(self, rank: int) -> int:
         return rank % self.tp
 
-    def as_dict(self) -> dict[str, int]:
-        return {"dp_replicate_size": self.dp_replicate, "dp_shard_size": self.dp_shard, "tp_size": self.tp}
+    def pp_rank(self, rank: int) -> int:
+        return rank // (self.dp * self.tp)
+
+    def stage_ids(self, pp_rank: int) -> tuple[int, ...]:
+        """The pipeline stages rank `pp_rank` of the pp dim runs: one; or two, looped (r, r + pp)."""
+        return tuple(pp_rank + s * self.pp for s in range(self.stages_per_rank))
+
+    def microbatches(self, per_rank_batch: int) -> int:
+        return self.pp_microbatches or per_rank_batch
+
+    def check_batch(self, per_rank_batch: int) -> None:
+        """pp_microbatches equal microbatches of the per-rank batch, at least one per stage for 1F1B-like
+        schedules (torch's rule); one-line ValueError."""
+        if self.pp == 1:
+            return
+        m = self.microbatches(per_rank_batch)
+        if per_rank_batch % m:
+            raise ValueError(f"parallelism_config.pp_microbatches: {m} must divide the per-rank batch "
+                             f"(per_device_train_batch_size) {per_rank_batch}")
+        if m < self.num_stages and self.pp_schedule != "GPipe":
+            raise ValueError(f"parallelism_config.pp_microbatches: {self.pp_schedule} needs at least one microbatch "
+                             f"per stage ({self.num_stages} stages), got {m}; raise pp_microbatches or "
+                             "per_device_train_batch_size")
+
+    def as_dict(self) -> dict[str, Any]:
+        """The mesh's sizes as the manifest records them (the pipeline's when there is one)."""
+        out: dict[str, Any] = {"dp_replicate_size": self.dp_replicate, "dp_shard_size": self.dp_shard, "tp_size": self.tp}
+        if self.pp > 1:
+            out = {"pp_size": self.pp, **out, "pp_schedule": self.pp_schedule, "pp_stages": self.num_stages}
+        return out
 
     def check_local(self, local_world_size: int | None) -> None:
         """A TP group within one node: its all-reduces run every layer, too often for the network."""
@@ -91,19 +156,35 @@ class ParallelDims:
                              f"({local_world_size}) so that a TP group stays within one node")
 
     def build_mesh(self, device_type: str):
-        """The device mesh (dp_replicate, dp_shard, tp); a collective, once per run."""
+        """The device mesh (pp, dp_replicate, dp_shard, tp); a collective, once per run."""
         from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp),
-                                mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        return init_device_mesh(device_type, (self.pp, self.dp_replicate, self.dp_shard, self.tp),
+                                mesh_dim_names=("pp", "dp_replicate", "dp_shard", "tp"))
 
     def dp_group(self, rank: int):
-        """The process group of `rank`'s data-parallel peers (same TP index); every rank calls it."""
+        """The process group of `rank`'s data-parallel peers (same stage, same TP index); every rank calls it."""
         import torch.distributed as dist
 
         mine = None
-        for t in range(self.tp):  # every rank creates every group, in the same order
-            group = dist.new_group([d * self.tp + t for d in range(self.dp)])
+        for p in range(self.pp):  # every rank creates every group, in the same order
+            for t in range(self.tp):
+                ranks = [(p * self.dp + d) * self.tp + t for d in range(self.dp)]
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    mine = group
+        return mine
+
+    def loss_group(self, rank: int):
+        """Under PP, the ranks that sum the logged loss: every stage and data-parallel rank of one TP index
+        (the last stage's hold it, the others zero); None: the whole world. Every rank calls it."""
+        import torch.distributed as dist
+
+        if self.tp == 1:
+            return None
+        mine = None
+        for t in range(self.tp):
+            group = dist.new_group([r for r in range(self.world_size) if r % self.tp == t])
             if t == self.tp_rank(rank):
                 mine = group
         return mine

@@ -64,6 +64,8 @@ def resolve(model: torch.nn.Module, plan: dict[str, str]) -> dict[str, str]:
                 for p, s in plan.items()]
     out = {}
     for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Identity):  # another pipeline stage's module (nothing to split)
+            continue
         for regex, style in patterns:
             if name and regex.match(name):
                 out.update(lora_layers(name, module, style) if hasattr(module, "base_layer") else {name: style})
@@ -133,9 +135,11 @@ def unfuse_mixed_groups(optimizer) -> None:
                     group[flag] = False
 
 
-def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float | None) -> torch.Tensor:
+def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float | None, stages: Any = None,
+                   device: Any = None) -> torch.Tensor:
     """The 2-norm of all gradients across the mesh, exact, and clipping by it: DTensors on different
-    meshes (TP weights on dp x tp, the rest on dp only) cannot share a foreach op, so per mesh and layout."""
+    meshes (TP weights on dp x tp, the rest on dp only) cannot share a foreach op, so per mesh and layout;
+    `stages`: the pipeline's group, whose ranks hold the other stages' gradients (squares summed over it)."""
     groups: dict[Any, list[torch.nn.Parameter]] = {}
     for p in params:
         key = (p.grad.device_mesh, p.grad.placements) if hasattr(p.grad, "device_mesh") else None
@@ -144,7 +148,14 @@ def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float | None) -> 
     for members in groups.values():
         n = torch.nn.utils.get_total_norm([p.grad for p in members], foreach=True)
         norms.append(n.full_tensor() if hasattr(n, "full_tensor") else n)
-    total = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else norms[0]
+    total = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else \
+        norms[0] if norms else torch.zeros((), device=device)
+    if stages is not None:
+        import torch.distributed as dist
+
+        square = total.square()
+        dist.all_reduce(square, group=stages)
+        total = square.sqrt()
     if max_norm:
         for members in groups.values():
             torch.nn.utils.clip_grads_with_norm_(members, max_norm, total, foreach=True)

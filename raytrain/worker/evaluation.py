@@ -78,7 +78,10 @@ def evaluation_loop(trainer: TrainerProtocol, source, description: str, predicti
         trainer.control = cb.on_prediction_step(args, trainer.state, trainer.control)
     runtime = time.perf_counter() - start
     gathered = strategy.data_parallel_view(  # a TP group's ranks evaluated the same rows: counted once
-        strategy.all_gather_object((loss_sum, items, nested_concat(preds), nested_concat(labels), n_seen)))
+        strategy.all_gather_object((loss_sum, items, nested_concat(preds), nested_concat(labels), n_seen,
+                                    metrics if batch_metrics else None)))
+    if batch_metrics:  # the first data-parallel rank's (under PP a last-stage rank: the others have no logits)
+        metrics = gathered[0][5]
     loss_sum = sum(g[0] for g in gathered)
     items = sum(g[1] for g in gathered)
     predictions = _numpy(nested_concat([g[2] for g in gathered if g[2] is not None]))

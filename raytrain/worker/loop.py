@@ -280,7 +280,7 @@ def _log_evaluate_save(run: RunState, trial, epoch_finished: bool = False) -> No
         tokens.flush(run)
     if control.should_log and state.global_step > run.last_logged:
         # Each rank's loss is its share of the step's loss (items / items of all ranks): sum them.
-        loss = run.strategy.all_reduce(run.tr_loss.detach().clone()).item()
+        loss = run.strategy.reduce_loss(run.tr_loss.detach().clone()).item()
         steps = state.global_step - run.last_logged
         logs = {"loss": loss / steps}
         if run.grad_norm is not None:
@@ -345,7 +345,7 @@ def _train_metrics(run: RunState, start: float, start_step: int) -> dict:
     trainer, state = run.trainer, run.trainer.state
     runtime = time.perf_counter() - start
     steps = state.global_step - start_step
-    pending = run.strategy.all_reduce(run.tr_loss.detach().clone()).item()  # shares: summed
+    pending = run.strategy.reduce_loss(run.tr_loss.detach().clone()).item()  # shares: summed
     samples = steps * trainer.args.per_device_train_batch_size * trainer.args.gradient_accumulation_steps \
         * run.strategy.dp_size
     metrics = {

@@ -213,7 +213,7 @@ def save(run: RunState, epoch_finished: bool) -> str | None:
                                      extra_files=extra_files)
     weights = strategy.model_state_dict(trainable_only=peft is not None)  # a collective for sharded backends
     # Each rank holds its share of the unlogged loss; the checkpoint keeps their sum (a collective).
-    pending_loss = strategy.all_reduce(run.tr_loss.detach().clone()).item()
+    pending_loss = strategy.reduce_loss(run.tr_loss.detach().clone()).item()
     if strategy.is_main:
         payload.weights = weights if peft is None else None
         if not args.save_only_model:

@@ -205,7 +205,7 @@ def test_every_layout_saves_what_from_pretrained_loads(layouts, one_process):
                                              "must equal the world size (scaling.num_workers) 4"),
     ({"tp_size": 3}, {}, "parallelism_config: dp_replicate_size 1 x tp_size 3 must divide the world size"),
     ({"tp_size": 2, "cp_size": 2}, {}, "parallelism_config.cp_size: context parallelism needs CUDA"),
-    ({"tp_size": 2, "pp_size": 2}, {}, "parallelism_config: unknown field(s) ['pp_size']"),
+    ({"tp_size": 2, "ep_size": 2}, {}, "parallelism_config: unknown field(s) ['ep_size']"),
     ({"sp_size": 2}, {}, "parallelism_config.sp_size: sequence parallelism"),
     ({"tp_size": 0}, {}, "parallelism_config.tp_size: an integer >= 1, got 0"),
     ({"tp_size": 2}, {"distributed": {"strategy": "deepspeed"}}, "need distributed.strategy fsdp (FSDP2), not deepspeed"),

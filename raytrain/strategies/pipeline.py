@@ -1,0 +1,274 @@
+"""Pipeline parallelism with torch.distributed.pipelining: a model's decoder layers split into stages
+(PipelineStage), run by one of torch's schedules (1F1B, GPipe, Interleaved1F1B, ...).
+
+The split follows transformers' base_model_pp_plan where the model has one (its layer list, the modules
+before it on the first stage, after it on the last; the head too), else the base model's nn.ModuleList of
+blocks. Layers are divided evenly, the first stages taking one more when they do not divide. The rank's
+module (the one the optimizer, checkpoints and callbacks see) is the user's model with what the rank does
+not run replaced by `Absent` (no parameters), so parameter names stay the whole model's. Each stage runs
+a view of it (the rank's modules shared, the other stages' absent) through the model's own forward: the
+first stage from input_ids, later ones from inputs_embeds (as transformers' pipeline_parallel.py does).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import torch
+
+from .mesh import SINGLE_STAGE, ParallelDims
+
+
+class Absent(torch.nn.Identity):
+    """A module this rank does not hold: passes its first input through (transformers' PipelineIdentityLayer)."""
+
+    def forward(self, *args, **kwargs):
+        return args[0] if args else next(iter(kwargs.values()))
+
+
+def _view(module: torch.nn.Module, **children: torch.nn.Module) -> torch.nn.Module:
+    """A shallow copy of `module` with its own child table (and hooks), some children replaced: stages
+    share the rank's modules without copying their parameters."""
+    new = module.__class__.__new__(module.__class__)
+    new.__dict__.update({k: (v.copy() if isinstance(v, (dict, set)) else v) for k, v in module.__dict__.items()})
+    new._modules.update(children)
+    return new
+
+
+def inner_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers model inside a PEFT wrapper (duck-typed: strategies/ imports no peft)."""
+    if type(model).__module__.startswith("peft.") and hasattr(model, "get_base_model"):
+        return model.get_base_model()
+    return model
+
+
+class Split:
+    """Where a model's pieces are: the base model (prefix), its layer list, the modules of the first
+    stage and of the last (in the base model, and beside it: the head)."""
+
+    def __init__(self, model: torch.nn.Module):
+        inner = inner_model(model)
+        name = type(inner).__name__
+        self.prefix = getattr(inner, "base_model_prefix", "") or ""
+        base = getattr(inner, self.prefix, None) if self.prefix else None
+        needs = (f"parallelism_config.pp_size: {name} cannot be split into pipeline stages: raytrain needs a base "
+                 "model (base_model_prefix) whose decoder layers are an nn.ModuleList (transformers' "
+                 "base_model_pp_plan names it) and a forward that takes inputs_embeds")
+        if not isinstance(base, torch.nn.Module) or "inputs_embeds" not in _parameters(inner):
+            raise ValueError(needs)
+        plan = list(getattr(getattr(inner, "config", None), "base_model_pp_plan", None) or {})
+        plan = plan or [n for n, _ in base.named_children()]  # no plan: the base model's children, in order
+        lists = [n for n in plan if isinstance(getattr(base, n, None), torch.nn.ModuleList) and len(getattr(base, n))]
+        if len(lists) != 1:
+            raise ValueError(needs)
+        self.layers = lists[0]
+        at = plan.index(self.layers)
+        # what holds parameters before the layers goes to the first stage, after them to the last; the
+        # rest (rotary embeddings) runs on every stage
+        self.first = [n for n in plan[:at] if _holds(getattr(base, n, None))]
+        self.last = [n for n in plan[at + 1:] if _holds(getattr(base, n, None))]
+        self.head = [n for n, c in inner.named_children() if c is not base and _holds(c)]
+        self.num_layers = len(getattr(base, self.layers))
+        placed = set(self.first) | set(self.last) | {self.layers}
+        for n, child in base.named_children():
+            if n not in placed and _holds(child):
+                raise ValueError(f"parallelism_config.pp_size: {name}.{self.prefix}.{n} holds parameters but is "
+                                 "neither before nor after the decoder layers in the model's pipeline plan "
+                                 "(base_model_pp_plan); raytrain cannot place it on a stage")
+        embeddings = inner.get_input_embeddings() if hasattr(inner, "get_input_embeddings") else None
+        out = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+        if embeddings is not None and out is not None and out.weight is embeddings.weight:
+            raise ValueError(f"parallelism_config.pp_size: {name} ties its input and output embeddings "
+                             "(tie_word_embeddings), which the first and last stages would hold apart; set "
+                             "tie_word_embeddings=False in its config, or pp_size 1")
+
+    def bounds(self, num_stages: int) -> list[tuple[int, int]]:
+        """[lo, hi) of the decoder layers of each stage: even, the first stages one more when uneven."""
+        q, r = divmod(self.num_layers, num_stages)
+        sizes = [q + (i < r) for i in range(num_stages)]
+        return [(sum(sizes[:i]), sum(sizes[:i + 1])) for i in range(num_stages)]
+
+
+def _holds(module: torch.nn.Module | None) -> bool:
+    return module is not None and any(True for _ in module.parameters())
+
+
+def _parameters(model: torch.nn.Module) -> set[str]:
+    try:
+        return set(inspect.signature(type(model).forward).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
+def check(model: torch.nn.Module, dims: ParallelDims) -> Split:
+    """The model splits into dims.num_stages stages; one-line ValueError naming what is missing."""
+    split = Split(model)
+    if dims.num_stages > split.num_layers:
+        per = f" ({dims.stages_per_rank} per rank, {dims.pp_schedule})" if dims.stages_per_rank > 1 else ""
+        raise ValueError(f"parallelism_config.pp_size: {dims.num_stages} pipeline stages{per} but "
+                         f"{type(inner_model(model)).__name__} has {split.num_layers} decoder layers; every "
+                         "stage needs at least one")
+    return split
+
+
+class Pipeline:
+    """This rank's stages of the pipeline, and the schedules that run them (one per input shape)."""
+
+    def __init__(self, model: torch.nn.Module, dims: ParallelDims, pp_rank: int, per_rank_batch: int):
+        self.split, self.dims = check(model, dims), dims
+        self.stage_ids = dims.stage_ids(pp_rank)
+        self.has_first = 0 in self.stage_ids
+        self.has_last = dims.num_stages - 1 in self.stage_ids
+        self.microbatches = dims.microbatches(per_rank_batch)
+        self.model = model
+        self.whole_groups = _whole_groups(model)
+        self.parts: list[torch.nn.Module] = []
+        self.group = self.device = None
+        self.sync_group: Any = None  # set: every rank builds a schedule when any needs one (FSDP's collectives)
+        self._schedules: dict[tuple, Any] = {}
+        self._loss: Callable | None = None
+        self._prune()
+
+    def _prune(self) -> None:
+        """Replace in the model what none of this rank's stages runs (its parameters are let go)."""
+        s, inner = self.split, inner_model(self.model)
+        base = getattr(inner, s.prefix)
+        bounds = self.split.bounds(self.dims.num_stages)
+        held = {i for sid in self.stage_ids for i in range(*bounds[sid])}
+        layers = getattr(base, s.layers)
+        for i in range(len(layers)):
+            if i not in held:
+                layers[i] = Absent()
+        for n in s.first if not self.has_first else ():
+            setattr(base, n, Absent())
+        for n in s.last if not self.has_last else ():
+            setattr(base, n, Absent())
+        for n in s.head if not self.has_last else ():
+            setattr(inner, n, Absent())
+
+    def make_stages(self, device: torch.device, group) -> list[torch.nn.Module]:
+        """One view of the (placed, tensor-parallel) model per stage of this rank, its forward the stage's."""
+        s, inner = self.split, inner_model(self.model)
+        base = getattr(inner, s.prefix)
+        self.device, self.group = device, group
+        bounds = self.split.bounds(self.dims.num_stages)
+        layers = getattr(base, s.layers)
+        for sid in self.stage_ids:
+            lo, hi = bounds[sid]
+            own = torch.nn.ModuleList([layers[i] if lo <= i < hi else Absent() for i in range(len(layers))])
+            first, last = sid == 0, sid == self.dims.num_stages - 1
+            base_view = _view(base, **{s.layers: own}, **({} if first else {n: Absent() for n in s.first}),
+                              **({} if last else {n: Absent() for n in s.last}))
+            part = _view(inner, **{s.prefix: base_view}, **({} if last else {n: Absent() for n in s.head}))
+            part.forward = _stage_forward(part, base_view, first, last)
+            self.parts.append(part)
+        return self.parts
+
+    # -- running
+    def run(self, inputs: dict, main: str, target: torch.Tensor | None, loss: Callable | None, train: bool):
+        """One pass of the pipeline over this rank's batch (split into microbatches, padded with ignored rows
+        to a multiple of them): (the microbatches' losses, the outputs) on the last stage, (None, None) elsewhere."""
+        x = inputs[main]
+        rows = x.shape[0]
+        pad = (-rows) % self.microbatches
+        kwargs = {k: _pad(v, rows, pad) for k, v in inputs.items()
+                  if k != main and isinstance(v, torch.Tensor) and v.dim() and v.shape[0] == rows}
+        x = _pad(x, rows, pad)
+        target = _pad(target, rows, pad, fill=-100) if target is not None else None
+        key = (train, loss is not None, tuple((k, tuple(v.shape), v.dtype) for k, v in [(main, x), *kwargs.items()]))
+        schedule = self._schedule(key, loss is not None)
+        for part in self.parts:  # train() / eval() on the rank's model reach the views' own flags too
+            if part.training != self.model.training:
+                part.train(self.model.training)
+        self._loss = loss
+        losses = [] if self.has_last and loss is not None else None
+        args = (x,) if self.has_first else ()
+        call = schedule.step if train else schedule.eval
+        out = call(*args, target=target if self.has_last else None, losses=losses, **kwargs)
+        if not train:
+            self.reshard()  # an evaluation leaves no parameters gathered (the state dict reads the shards)
+        if out is not None and pad:
+            out = out[:rows]
+        return losses, out
+
+    def _microbatch_loss(self, output, target):
+        return self._loss(output, target)
+
+    def _schedule(self, key: tuple, with_loss: bool):
+        """The schedule for inputs of this shape, built at first sight: torch's stages infer their buffers'
+        shapes from the first step they run. Under FSDP every rank builds when any does, since inference
+        runs a forward (with its collectives) that the other data-parallel ranks must run too."""
+        import torch.distributed as dist
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import get_schedule_class
+
+        fresh = key not in self._schedules
+        if self.sync_group is not None:
+            flag = torch.tensor(float(fresh), device=self.device)
+            dist.all_reduce(flag, dist.ReduceOp.MAX, group=self.sync_group)
+            fresh = bool(flag.item())
+        if fresh:
+            if len(self._schedules) >= 16:  # many shapes (padding to each batch's longest): the oldest goes
+                self._schedules.pop(next(iter(self._schedules)))
+            stages = [PipelineStage(part, sid, self.dims.num_stages, self.device, group=self.group)
+                      for part, sid in zip(self.parts, self.stage_ids)]
+            cls = get_schedule_class(self.dims.pp_schedule)
+            self._schedules[key] = cls(stages[0] if self.dims.pp_schedule in SINGLE_STAGE else stages,
+                                       n_microbatches=self.microbatches, scale_grads=False,
+                                       loss_fn=self._microbatch_loss if with_loss else None)
+        return self._schedules[key]
+
+    def reshard(self) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        for part in self.parts:
+            for module in part.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+
+
+def _whole_groups(model: torch.nn.Module) -> list[list[str]]:
+    """The trainable parameters' names of the whole model in HF's two weight-decay groups (the optimizer's
+    order): how a full optimizer.pt (one process, DDP) numbers them."""
+    from ..optim.optimizers import decay_parameter_names
+
+    decayed = set(decay_parameter_names(model))
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    return [[n for n in names if n in decayed], [n for n in names if n not in decayed]]
+
+
+def stage_optimizer_state(whole: list[list[str]], own: set[str], state: dict) -> dict:
+    """A full torch optimizer state_dict (indices over the whole model) -> this rank's stages' part, by
+    name (the form set_optimizer_state_dict takes); a ValueError when its groups are not HF's two."""
+    saved = [len(g["params"]) for g in state["param_groups"]]
+    if saved != [len(g) for g in whole]:
+        raise ValueError(f"optimizer.pt's parameter groups hold {saved} parameters, not the whole model's two "
+                         f"weight-decay groups {[len(g) for g in whole]} that a pipeline stage can take its share of")
+    to_name = {i: n for g, names in zip(state["param_groups"], whole) for i, n in zip(g["params"], names)}
+    return {"state": {to_name[i]: s for i, s in state["state"].items() if to_name[i] in own},
+            "param_groups": [{**g, "params": [to_name[i] for i in g["params"] if to_name[i] in own]}
+                             for g in state["param_groups"]]}
+
+
+def _stage_forward(part: torch.nn.Module, base: torch.nn.Module, first: bool, last: bool):
+    """A stage's forward (a tensor in, a tensor out, as PipelineStage sends them): the model's own forward
+    from the previous stage's hidden states, the base model's alone before the last stage."""
+    original = part.forward
+
+    def forward(x: torch.Tensor, **kwargs) -> torch.Tensor:
+        source = {"input_ids" if first else "inputs_embeds": x}
+        if last:
+            return original(**source, use_cache=False, **kwargs).logits
+        return base(**source, use_cache=False, **kwargs).last_hidden_state
+
+    return forward
+
+
+def _pad(t: torch.Tensor, rows: int, pad: int, fill: int | None = None) -> torch.Tensor:
+    """`pad` more rows: copies of the first (so every value stays finite), or `fill` (labels: ignored)."""
+    if not pad:
+        return t
+    extra = t[:1].expand(pad, *t.shape[1:]) if fill is None else torch.full((pad, *t.shape[1:]), fill,
+                                                                            dtype=t.dtype, device=t.device)
+    return torch.cat([t, extra])
