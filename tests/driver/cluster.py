@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import secrets
 import shutil
 import signal
 import socket
@@ -27,7 +28,8 @@ from raytrain import TrainerCallback
 from raytrain.cli.local_cluster import _free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# Ray notices a lost node in about 2 s instead of 15 (read by the GCS only).
+# Ray notices a lost node in about 2 s instead of 15 (read by the GCS only). SimCluster(health_checks="default")
+# sets none of them: the cluster as `ray start` makes it.
 FAST_HEALTH_CHECKS = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "2",
                       "RAY_health_check_timeout_ms": "1000", "RAY_health_check_initial_delay_ms": "1000"}
 
@@ -71,9 +73,13 @@ def kill_namespace(ns: str) -> None:
 
 
 class SimCluster:
-    """A head (no CPUs) and worker nodes started one at a time, each with `spot: 1` (one worker each)."""
+    """A head (no CPUs) and worker nodes started one at a time, each with `spot: 1` (one worker each);
+    health_checks "fast" (FAST_HEALTH_CHECKS) or "default" (Ray's own)."""
 
-    def __init__(self):
+    def __init__(self, health_checks: str = "fast"):
+        if health_checks not in ("fast", "default"):
+            raise ValueError(f"health_checks: 'fast' or 'default', got {health_checks!r}")
+        self.health_checks = health_checks
         self.base = tempfile.mkdtemp(prefix="rtspot", dir="/tmp")  # short: Ray's socket paths < 107 bytes
         self.local, self.storage = os.path.join(self.base, "local"), os.path.join(self.base, "storage")
         self.temp_dir, self.ray_tmp = os.path.join(self.base, "t"), os.path.join(self.base, "rt")
@@ -82,11 +88,14 @@ class SimCluster:
         self.address = f"{socket.gethostbyname(socket.gethostname())}:{_free_port()}"
         self.nodes: dict[str, tuple[subprocess.Popen, str | None]] = {}
         self.logs: list = []
+        self.token = secrets.token_hex(32)  # where the machine has no token of its own
 
     def env(self) -> dict:
         """For every node and the driver: token auth (an explicit address does not turn it on), this
         cluster's address (Ray Train's state API would otherwise see other clusters on the machine)."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") or k == "RAY_AUTH_TOKEN"}
+        if "RAY_AUTH_TOKEN" not in env and not os.path.exists(os.path.expanduser("~/.ray/auth_token")):
+            env["RAY_AUTH_TOKEN"] = self.token
         pythonpath = [ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         env.update(RAY_AUTH_MODE="token", RAY_USAGE_STATS_ENABLED="0", RAY_TMPDIR=self.ray_tmp,
                    RAY_ADDRESS=self.address, PYTHONPATH=os.pathsep.join(dict.fromkeys(pythonpath)),
@@ -116,7 +125,8 @@ class SimCluster:
     def start_head(self) -> None:
         port = self.address.rsplit(":", 1)[1]
         self._start("head", f"--head --port={port} --num-cpus=0 --include-dashboard=false "
-                    f"--ray-client-server-port={_free_port()}", {**self.env(), **FAST_HEALTH_CHECKS}, False)
+                    f"--ray-client-server-port={_free_port()}",
+                    {**self.env(), **(FAST_HEALTH_CHECKS if self.health_checks == "fast" else {})}, False)
         self.wait_nodes(1)
 
     def add_node(self, name: str, tries: int = 3) -> None:
@@ -159,15 +169,17 @@ class SimCluster:
             time.sleep(1)
         raise TimeoutError(f"{n} alive node(s) expected; logs in {self.base}")
 
-    def lose(self, ns: str) -> str:
-        """SIGKILL the node whose mount namespace is `ns` (its tmpfs goes with it); its name."""
+    def lose(self, ns: str, wait: bool = True) -> str:
+        """SIGKILL the node whose mount namespace is `ns` (its tmpfs goes with it); its name. With `wait`,
+        return once the GCS lists it dead."""
         name = next(n for n, (_, node_ns) in self.nodes.items() if node_ns == ns)
-        before = self.alive_nodes()
+        before = self.alive_nodes() if wait else 0
         kill_namespace(ns)
         self.nodes[name][0].wait(30)
         deadline = time.time() + 60
-        while self.alive_nodes() >= before and time.time() < deadline:  # the GCS notices in ~2 s
-            time.sleep(0.5)
+        if wait:  # the GCS notices in ~2 s (fast health checks), ~15-30 s (Ray's default)
+            while self.alive_nodes() >= before and time.time() < deadline:
+                time.sleep(0.5)
         return name
 
     def drive(self, spec: dict, timeout: float = 400) -> subprocess.Popen:
