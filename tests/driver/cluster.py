@@ -24,6 +24,8 @@ import sys
 import tempfile
 import time
 
+from torch import nn
+
 from raytrain import TrainerCallback
 from raytrain.cli.local_cluster import _free_port
 
@@ -285,6 +287,66 @@ class StepMarks(TrainerCallback):
                 f.write(json.dumps([time.time(), time.perf_counter(), state.global_step]) + "\n")
 
 
+class IdDigits(nn.Module):
+    """The digits MLP, recording the sample ids of every training micro-batch."""
+
+    def __init__(self):
+        super().__init__()
+        from tests.strategies._helpers import digits_model
+
+        self.net = digits_model()
+        self.seen: list[list[int]] = []
+
+    def forward(self, pixels, idx, labels=None):
+        if self.training:
+            self.seen.append(idx.tolist())
+        return self.net(pixels, labels)
+
+
+class IdLog(TrainerCallback):
+    """Every rank appends {start, world, step, ids} at each step end to `path`/ids-rank{R}.jsonl: the ids of
+    its micro-batches (IdDigits) and the step its group started from."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start, self.done = state.global_step, 0
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        seen = getattr(model, "module", model).seen
+        record = {"start": self.start, "world": int(os.environ.get("WORLD_SIZE", 1)), "step": state.global_step,
+                  "ids": seen[self.done:]}
+        self.done = len(seen)
+        with open(os.path.join(self.path, f"ids-rank{os.environ.get('RANK', 0)}.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def trained_ids(path: str) -> dict[int, dict]:
+    """step -> {"world": w, "start": s, "batches": [ids of each micro-batch of every rank]}, from the last group
+    that trained the step (a group lost after its last checkpoint trained steps its successor trains again)."""
+    records = [json.loads(line) for name in sorted(os.listdir(path)) if name.startswith("ids-rank")
+               for line in open(os.path.join(path, name))]
+    last: dict[int, int] = {}
+    for r in records:
+        last[r["step"]] = max(last.get(r["step"], -1), r["start"])
+    steps: dict[int, dict] = {}
+    for r in records:
+        if r["start"] == last[r["step"]]:
+            step = steps.setdefault(r["step"], {"world": r["world"], "start": r["start"], "batches": []})
+            step["batches"] += r["ids"]
+    return steps
+
+
+def _placement_groups() -> list[dict]:
+    """This job's placement groups (Ray Train's worker groups): bundles, and whether Ray ever placed it."""
+    import ray
+
+    job = ray.get_runtime_context().get_job_id()
+    return [{"bundles": len(g["bundles"]), "placed": g["stats"]["end_to_end_creation_latency_ms"] > 0}
+            for pg_id, g in ray.util.placement_group_table().items() if pg_id.endswith(job)]
+
+
 def main(spec_path: str) -> None:
     """Train the digits job on the cluster at spec["address"]; write losses, a digest of the final
     weights and what the driver's output_dir holds to spec["result"]."""
@@ -313,6 +375,11 @@ def main(spec_path: str) -> None:
     if spec.get("lora"):  # the LoRA job instead: a tiny Llama's adapter, checkpoints holding it alone
         from tests.hf.peft_jobs import lm_rows, lora_model
         train, model = lm_rows(64), lora_model(dropout=0.1)
+    elif spec.get("ids"):  # 256 samples (8 steps an epoch), each step's ids logged by every rank
+        import numpy as np
+
+        train = {**{k: v[:256] for k, v in train.items()}, "idx": np.arange(256)}
+        model = IdDigits()
     else:
         model = digits_model()
     callbacks = [PauseOnce(**spec["pause"])] if spec.get("pause") else []
@@ -320,6 +387,8 @@ def main(spec_path: str) -> None:
         callbacks.append(WorldLog(spec["worlds"], spec.get("hold")))
     if spec.get("marks"):  # benchmarks/distributed.py
         callbacks.append(StepMarks(spec["marks"]))
+    if spec.get("ids"):
+        callbacks.append(IdLog(spec["ids"]))
     result: dict = {}
     try:
         trainer = Trainer(model, args, train_dataset=train, eval_dataset=val if best else None,
@@ -330,7 +399,7 @@ def main(spec_path: str) -> None:
         result = {"global_step": out.global_step, "digest": state_digest(trainer.model.state_dict()),
                   "logs": [h for h in trainer.state.log_history if "loss" in h],
                   "best_model_checkpoint": trainer.state.best_model_checkpoint,
-                  "output_dir": sorted(os.listdir(spec["output_dir"]))}
+                  "output_dir": sorted(os.listdir(spec["output_dir"])), "placement_groups": _placement_groups()}
     except Exception as e:  # noqa: BLE001 - the test asserts on it
         result = {"error": f"{type(e).__name__}: {e}"}
     with open(spec["result"], "w") as f:

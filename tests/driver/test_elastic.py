@@ -16,16 +16,16 @@ import logging
 import os
 import sys
 import threading
-import types
 import time
+import types
 
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 from raytrain import ConfigError, Trainer, TrainerCallback, TrainingArguments
 from raytrain.config.sections import ScalingConfig
+from tests.driver.cluster import IdDigits
 
 # ---------------------------------------------------------------- the batch arithmetic (in-process)
 
@@ -130,22 +130,6 @@ def test_one_worker_of_two_accumulates_the_same_global_batch(tmp_path, caplog):
 
 N, STEPS_PER_EPOCH, MAX_STEPS = 256, 8, 24  # a global batch of 32: 8 steps an epoch, 3 epochs
 PAUSES = {(12, 2): "paused-12", (20, 1): "paused-20"}  # (global_step, world size): the marker written
-
-
-class IdDigits(nn.Module):
-    """The digits MLP, recording the sample ids of every training micro-batch."""
-
-    def __init__(self):
-        super().__init__()
-        from tests.strategies._helpers import digits_model
-
-        self.net = digits_model()
-        self.seen: list[list[int]] = []
-
-    def forward(self, pixels, idx, labels=None):
-        if self.training:
-            self.seen.append(idx.tolist())
-        return self.net(pixels, labels)
 
 
 class ElasticProbe(TrainerCallback):
