@@ -304,7 +304,7 @@ def test_group_shrinks_to_one_and_grows_back(ray_cluster, tmp_path):
 
 @pytest.fixture
 def actors(ray_cluster):
-    """Three actors on this node: one that answers, one killed, one busy for 30 s (silent)."""
+    """Three actors on this node: one that answers, one killed, one busy for 120 s (silent)."""
     ray = ray_cluster
 
     @ray.remote(num_cpus=0)
@@ -315,7 +315,7 @@ def actors(ray_cluster):
     up, killed, busy = Worker.remote(), Worker.remote(), Worker.remote()
     ray.get([a.__ray_ready__.remote() for a in (up, killed, busy)])
     ray.kill(killed)
-    busy.busy.remote(30)
+    busy.busy.remote(120)  # its liveness calls queue behind it
     yield up, killed, busy
     for actor in (up, busy):
         ray.kill(actor)
