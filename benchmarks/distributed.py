@@ -2,6 +2,7 @@
 
     python benchmarks/distributed.py [--mb 32] [--steps 40] [--rounds 2] [--parts saves,recovery,elastic,layouts]
                                      [--strategies ddp,fsdp,deepspeed] [--hidden 256] [--layouts dp4,2x2,...]
+                                     [--health-checks default,fast]
 
   saves:    2 Ray workers (DDP, FSDP2, ZeRO-2), a checkpoint every 10 steps, synchronous and in the
             background (save_async), against none: median and mean step time (rank 0, step end to step
@@ -9,15 +10,18 @@
             rounds, on one local Ray cluster (target: median <= 1.05x).
   recovery: the simulated cluster of tests/driver/cluster.py (a head and two worker nodes with their
             own disks, needs root): rank 1's node is lost after step 12 of the digits job and a new
-            node joins; prints the seconds from the loss to the first step the restarted group ends,
-            against the seconds from the driver's start to the first step of a fresh run.
+            node joins once the GCS has noticed; prints the seconds from the loss to the first step the
+            restarted group ends, against the seconds from the driver's start to the first step of a
+            fresh run. Once per --health-checks setting, in one invocation: Ray's default (the GCS
+            notices a lost node in ~15 s) and fast (tests/driver/cluster.py's, ~2 s).
   layouts:  4 gloo processes (no Ray), a Llama from a config (--hidden): dp4 (FSDP2), 2x2 (FSDP2 x TP),
             tp4, pp2 x dp2, pp2 x tp2 and pp4 (pipeline stages, 1F1B), and 2x2x2 (pp x dp x tp on 8
             processes) at the same global batch: median step time (rank 0; the best of --rounds rounds,
             the layouts' order rotated, on a shared machine) and, per rank (the largest), the bytes of
             its parameters, gradients and AdamW state (local shards) and its peak RSS.
   elastic:  the same with num_workers [1, 2] and no node replacing the lost one: the seconds from the
-            loss to the first step of the one worker left (target: <= 20 s), against a fresh run's.
+            loss to the first step of the one worker left (target: <= 20 s on Ray's default health
+            checks), against a fresh run's.
 Timings never decide a test; on a shared machine, rerun for stable figures.
 """
 
@@ -176,9 +180,13 @@ def _layout_once(name: str, hidden: int, steps: int) -> dict:
 # ---------------------------------------------------------------- recovery
 
 
-def bench_recovery(elastic: bool = False) -> dict:
+HEALTH_CHECKS = {"default": "Ray's default health checks (a lost node listed dead after ~15 s)",
+                 "fast": "fast health checks (RAY_health_check_*: listed dead after ~2 s)"}
+
+
+def bench_recovery(elastic: bool = False, health_checks: str = "default") -> dict:
     """elastic: num_workers [1, 2], and no node replaces the lost one (the group goes on with one worker)."""
-    sim = SimCluster()
+    sim = SimCluster(health_checks=health_checks)
     try:
         sim.start_head()
         sim.add_node("a")
@@ -201,7 +209,8 @@ def bench_recovery(elastic: bool = False) -> dict:
         with open(flag) as f:
             ns = f.read()
         lost_at = time.time()
-        sim.lose(ns)
+        load = os.getloadavg()[0]
+        sim.lose(ns, wait=not elastic)  # a replacement joins once the GCS has noticed (as an autoscaler's)
         if not elastic:
             sim.add_node("c")
         proc.wait(600)
@@ -211,7 +220,7 @@ def bench_recovery(elastic: bool = False) -> dict:
             raise RuntimeError(result["error"])
         after = [m for m in _marks(lost_marks) if m[0] > lost_at]
         return {"cold_start_to_first_step_s": cold, "loss_to_first_step_s": after[0][0] - lost_at,
-                "resumed_at_step": after[0][2] - 1}
+                "resumed_at_step": after[0][2] - 1, "load": (load, os.getloadavg()[0])}
     finally:
         sim.close()
 
@@ -225,8 +234,13 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=256, help="for layouts: the Llama's hidden size")
     p.add_argument("--layouts", default=",".join(LAYOUTS), help="for layouts: which (dp4 first, the reference)")
     p.add_argument("--strategies", default="ddp,fsdp,deepspeed", help="for saves (deepspeed: ZeRO-2)")
+    p.add_argument("--health-checks", default="default,fast",
+                   help="for recovery and elastic, each measured in turn: default (Ray's), fast (~2 s)")
     a = p.parse_args()
     parts = set(a.parts.split(","))
+    bad = [c for c in a.health_checks.split(",") if c not in HEALTH_CHECKS]
+    if bad:
+        p.error(f"--health-checks: default or fast, got {', '.join(bad)}")
     print(f"machine: {platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}")
     if "saves" in parts:
         import ray
@@ -257,12 +271,14 @@ def main() -> None:
     for part in ("recovery", "elastic"):
         if part not in parts:
             continue
-        r = bench_recovery(elastic=part == "elastic")
-        lost = "lost, none replaces it, one worker goes on" if part == "elastic" else "lost"
-        print(f"{part}: rank 1's node {lost} after step 12, resumed at step {r['resumed_at_step']}: "
-              f"{r['loss_to_first_step_s']:.1f} s from the loss to the first step after it, against "
-              f"{r['cold_start_to_first_step_s']:.1f} s from a fresh run's start to its first step "
-              f"({r['loss_to_first_step_s'] / r['cold_start_to_first_step_s']:.2f}x)")
+        for checks in a.health_checks.split(","):
+            r = bench_recovery(elastic=part == "elastic", health_checks=checks)
+            lost = "lost, none replaces it, one worker goes on" if part == "elastic" else "lost"
+            print(f"{part}, {HEALTH_CHECKS[checks]}: rank 1's node {lost} after step 12, resumed at step "
+                  f"{r['resumed_at_step']}: {r['loss_to_first_step_s']:.1f} s from the loss to the first step after "
+                  f"it, against {r['cold_start_to_first_step_s']:.1f} s from a fresh run's start to its first step "
+                  f"({r['loss_to_first_step_s'] / r['cold_start_to_first_step_s']:.2f}x; load {r['load'][0]:.1f} at "
+                  f"the loss, {r['load'][1]:.1f} at the end)", flush=True)
 
 
 if __name__ == "__main__":

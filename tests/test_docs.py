@@ -59,6 +59,8 @@ CHECKED = {
     "benchmarks.sh": "minutes each",
     "local_cluster.sh": "a laptop cluster: its own test, tests/driver/test_local_cluster.py",
     "llm_install.sh": "a pip install of the peft extra; the run is llm.sh's, run above",
+    "health_checks.sh": "a Ray head of one's own; its settings are cluster.yaml's (test_health_check_snippets)",
+    "kuberay_health_checks.yaml": "a KubeRay cluster; its settings are cluster.yaml's (test_health_check_snippets)",
 }
 
 
@@ -81,7 +83,7 @@ def _commands(text: str) -> list[list[str]]:
 def _program(words: list[str]) -> tuple[dict[str, str], list[str]]:
     """(environment assignments, the rest) of one command."""
     env = {}
-    while words and re.fullmatch(r"[A-Z_]+=\S*", words[0]):
+    while words and re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*=\S*", words[0]):
         key, _, value = words[0].partition("=")
         env[key] = value
         words = words[1:]
@@ -311,7 +313,9 @@ def test_shell_snippet_checks(name):
             parser().parse_args(words[3:])
         elif words[0] == "ray":
             assert shutil.which("ray"), "the ray CLI comes with ray[default]"
-            assert words[1] in ("get-auth-token", "up", "dashboard", "job", "status"), words
+            assert words[1] in ("get-auth-token", "up", "dashboard", "job", "status", "start"), words
+            if words[1] == "start":  # a head of one's own, noticing a lost node as cluster.yaml's does
+                assert words[2] == "--head" and env == _cluster_yaml_health_checks(), (words, env)
             if "cluster.yaml" in words:
                 assert os.path.isfile(os.path.join(ROOT, "cluster.yaml"))
             if "--" in words:  # the job's entrypoint
@@ -330,6 +334,30 @@ def test_shell_snippet_checks(name):
             assert "torch==2.13.0" in _read(".ci", "run")
         else:
             raise AssertionError(f"{name}: no check for {words}")
+
+
+def _cluster_yaml_health_checks() -> dict:
+    import yaml
+
+    from raytrain.cli.local_cluster import health_checks
+
+    found = health_checks(yaml.safe_load(_read("cluster.yaml")))
+    assert found, "cluster.yaml's head starts with no RAY_health_check_* settings"
+    return found
+
+
+def test_health_check_snippets():
+    """What the docs tell a `ray start` or KubeRay user to set is what cluster.yaml's head sets."""
+    import yaml
+
+    expected = _cluster_yaml_health_checks()
+    assert set(expected) == {"RAY_health_check_period_ms", "RAY_health_check_timeout_ms",
+                             "RAY_health_check_failure_threshold"}
+    for words in _commands(_read("docs", "snippets", "health_checks.sh")):
+        assert _program(words)[0] == expected
+    spec = yaml.safe_load(_read("docs", "snippets", "kuberay_health_checks.yaml"))["spec"]["headGroupSpec"]
+    (container,) = spec["template"]["spec"]["containers"]
+    assert {e["name"]: e["value"] for e in container["env"]} == expected
 
 
 def _undefined_names(tree: ast.AST) -> set[str]:

@@ -6,6 +6,8 @@ python benchmarks/ddp_vs_torchrun.py --steps 60
 python benchmarks/threads.py --steps 200 --big-steps 40
 python benchmarks/distributed.py --mb 32 --steps 40 --rounds 2 --parts saves,recovery
 python benchmarks/distributed.py --parts layouts --steps 12 --hidden 512 --rounds 2
+python benchmarks/distributed.py --parts recovery,elastic --health-checks default,fast
+python benchmarks/local_cluster.py --health-checks cluster.yaml,default
 python benchmarks/llm.py --hidden 384 --layers 4 --batch 4 --seq 256 --warmup 3 --steps 12 --rounds 3 --threads 1
 python benchmarks/trl.py --hidden 256 --layers 4 --batch 4 --max-length 512 --warmup 2 --steps 10 --rounds 3
 python benchmarks/gpu_train.py --batch 16 --seq 1024 --warmup 10 --steps 40 --rounds 2

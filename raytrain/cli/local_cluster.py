@@ -8,7 +8,8 @@ watched scaling from zero, surviving a terminated node and releasing the nodes b
 
 Each worker node type keeps its min/max_workers and custom resources; its CPUs become --worker-cpus and
 its GPUs none (a laptop has none to give). The cluster's max_workers and upscaling_speed are kept; the
-idle timeout is --idle-timeout-s (cluster.yaml's minutes would outlast a laptop session). Nothing here
+idle timeout is --idle-timeout-s (cluster.yaml's minutes would outlast a laptop session). The head takes
+the RAY_health_check_* settings of cluster.yaml's head start (how soon a lost node is noticed). Nothing here
 runs `ray stop`: the cluster is one process group, ended by signal.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -71,6 +73,15 @@ def twin_config(cluster: dict, *, gcs_address: str, worker_cpus: int = 1, idle_t
     }
 
 
+def health_checks(cluster: dict) -> dict:
+    """The RAY_health_check_* settings the head of `cluster` (a cluster.yaml, loaded) starts with: the GCS
+    reads them, so the twin's head takes them too."""
+    found = {}
+    for command in cluster.get("head_start_ray_commands") or []:
+        found.update(re.findall(r"\b(RAY_health_check_[a-z_]+)=(\d+)\b", str(command)))
+    return found
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("", 0))
@@ -116,21 +127,28 @@ class LocalCluster:
         env.update(RAY_ADDRESS=self.address, RAY_USAGE_STATS_ENABLED="0", **self.extra_env)
         return env
 
-    def start(self, timeout: float = 120) -> None:
-        path = os.path.join(self.base, "autoscaling.json")
-        with open(path, "w") as f:
-            json.dump(self.config, f)
+    def head_env(self) -> dict:
+        """The head's environment: env()'s, the fake provider's switches, and cluster.yaml's health checks."""
         env = self.env()
-        if env["RAY_AUTH_MODE"] == "token":
-            _ensure_token(env)
         # AUTOSCALER_UPDATE_INTERVAL_S: the monitor decides every second, not every 5 s; its metrics port
         # its own, not Ray's fixed default (another cluster's monitor on this machine may hold that one)
         env.update(RAY_FAKE_CLUSTER="1", AUTOSCALER_UPDATE_INTERVAL_S="1", AUTOSCALER_METRIC_PORT=str(_free_port()))
         env.pop("RAY_ADDRESS")
+        for name, value in health_checks(self.cluster).items():  # the caller's own setting wins
+            env.setdefault(name, value)
         # the monitor imports the provider from this raytrain, installed or not
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         paths = [package_root, *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
         env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+        return env
+
+    def start(self, timeout: float = 120) -> None:
+        path = os.path.join(self.base, "autoscaling.json")
+        with open(path, "w") as f:
+            json.dump(self.config, f)
+        if self.env()["RAY_AUTH_MODE"] == "token":
+            _ensure_token(self.env())
+        env = self.head_env()
         ray = os.path.join(os.path.dirname(sys.executable), "ray")
         cmd = [ray, "start", "--head", "--block", f"--port={self.address.rsplit(':', 1)[1]}", "--num-cpus=0",
                f"--autoscaling-config={path}", f"--temp-dir={os.path.join(self.base, 't')}",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import secrets
 import shutil
 import signal
 import socket
@@ -23,11 +24,14 @@ import sys
 import tempfile
 import time
 
+from torch import nn
+
 from raytrain import TrainerCallback
 from raytrain.cli.local_cluster import _free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-# Ray notices a lost node in about 2 s instead of 15 (read by the GCS only).
+# Ray notices a lost node in about 2 s instead of 15 (read by the GCS only). SimCluster(health_checks="default")
+# sets none of them: the cluster as `ray start` makes it.
 FAST_HEALTH_CHECKS = {"RAY_health_check_period_ms": "1000", "RAY_health_check_failure_threshold": "2",
                       "RAY_health_check_timeout_ms": "1000", "RAY_health_check_initial_delay_ms": "1000"}
 
@@ -71,9 +75,13 @@ def kill_namespace(ns: str) -> None:
 
 
 class SimCluster:
-    """A head (no CPUs) and worker nodes started one at a time, each with `spot: 1` (one worker each)."""
+    """A head (no CPUs) and worker nodes started one at a time, each with `spot: 1` (one worker each);
+    health_checks "fast" (FAST_HEALTH_CHECKS) or "default" (Ray's own)."""
 
-    def __init__(self):
+    def __init__(self, health_checks: str = "fast"):
+        if health_checks not in ("fast", "default"):
+            raise ValueError(f"health_checks: 'fast' or 'default', got {health_checks!r}")
+        self.health_checks = health_checks
         self.base = tempfile.mkdtemp(prefix="rtspot", dir="/tmp")  # short: Ray's socket paths < 107 bytes
         self.local, self.storage = os.path.join(self.base, "local"), os.path.join(self.base, "storage")
         self.temp_dir, self.ray_tmp = os.path.join(self.base, "t"), os.path.join(self.base, "rt")
@@ -82,11 +90,14 @@ class SimCluster:
         self.address = f"{socket.gethostbyname(socket.gethostname())}:{_free_port()}"
         self.nodes: dict[str, tuple[subprocess.Popen, str | None]] = {}
         self.logs: list = []
+        self.token = secrets.token_hex(32)  # where the machine has no token of its own
 
     def env(self) -> dict:
         """For every node and the driver: token auth (an explicit address does not turn it on), this
         cluster's address (Ray Train's state API would otherwise see other clusters on the machine)."""
         env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") or k == "RAY_AUTH_TOKEN"}
+        if "RAY_AUTH_TOKEN" not in env and not os.path.exists(os.path.expanduser("~/.ray/auth_token")):
+            env["RAY_AUTH_TOKEN"] = self.token
         pythonpath = [ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
         env.update(RAY_AUTH_MODE="token", RAY_USAGE_STATS_ENABLED="0", RAY_TMPDIR=self.ray_tmp,
                    RAY_ADDRESS=self.address, PYTHONPATH=os.pathsep.join(dict.fromkeys(pythonpath)),
@@ -116,7 +127,8 @@ class SimCluster:
     def start_head(self) -> None:
         port = self.address.rsplit(":", 1)[1]
         self._start("head", f"--head --port={port} --num-cpus=0 --include-dashboard=false "
-                    f"--ray-client-server-port={_free_port()}", {**self.env(), **FAST_HEALTH_CHECKS}, False)
+                    f"--ray-client-server-port={_free_port()}",
+                    {**self.env(), **(FAST_HEALTH_CHECKS if self.health_checks == "fast" else {})}, False)
         self.wait_nodes(1)
 
     def add_node(self, name: str, tries: int = 3) -> None:
@@ -159,15 +171,17 @@ class SimCluster:
             time.sleep(1)
         raise TimeoutError(f"{n} alive node(s) expected; logs in {self.base}")
 
-    def lose(self, ns: str) -> str:
-        """SIGKILL the node whose mount namespace is `ns` (its tmpfs goes with it); its name."""
+    def lose(self, ns: str, wait: bool = True) -> str:
+        """SIGKILL the node whose mount namespace is `ns` (its tmpfs goes with it); its name. With `wait`,
+        return once the GCS lists it dead."""
         name = next(n for n, (_, node_ns) in self.nodes.items() if node_ns == ns)
-        before = self.alive_nodes()
+        before = self.alive_nodes() if wait else 0
         kill_namespace(ns)
         self.nodes[name][0].wait(30)
         deadline = time.time() + 60
-        while self.alive_nodes() >= before and time.time() < deadline:  # the GCS notices in ~2 s
-            time.sleep(0.5)
+        if wait:  # the GCS notices in ~2 s (fast health checks), ~15-30 s (Ray's default)
+            while self.alive_nodes() >= before and time.time() < deadline:
+                time.sleep(0.5)
         return name
 
     def drive(self, spec: dict, timeout: float = 400) -> subprocess.Popen:
@@ -273,6 +287,66 @@ class StepMarks(TrainerCallback):
                 f.write(json.dumps([time.time(), time.perf_counter(), state.global_step]) + "\n")
 
 
+class IdDigits(nn.Module):
+    """The digits MLP, recording the sample ids of every training micro-batch."""
+
+    def __init__(self):
+        super().__init__()
+        from tests.strategies._helpers import digits_model
+
+        self.net = digits_model()
+        self.seen: list[list[int]] = []
+
+    def forward(self, pixels, idx, labels=None):
+        if self.training:
+            self.seen.append(idx.tolist())
+        return self.net(pixels, labels)
+
+
+class IdLog(TrainerCallback):
+    """Every rank appends {start, world, step, ids} at each step end to `path`/ids-rank{R}.jsonl: the ids of
+    its micro-batches (IdDigits) and the step its group started from."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start, self.done = state.global_step, 0
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        seen = getattr(model, "module", model).seen
+        record = {"start": self.start, "world": int(os.environ.get("WORLD_SIZE", 1)), "step": state.global_step,
+                  "ids": seen[self.done:]}
+        self.done = len(seen)
+        with open(os.path.join(self.path, f"ids-rank{os.environ.get('RANK', 0)}.jsonl"), "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+def trained_ids(path: str) -> dict[int, dict]:
+    """step -> {"world": w, "start": s, "batches": [ids of each micro-batch of every rank]}, from the last group
+    that trained the step (a group lost after its last checkpoint trained steps its successor trains again)."""
+    records = [json.loads(line) for name in sorted(os.listdir(path)) if name.startswith("ids-rank")
+               for line in open(os.path.join(path, name))]
+    last: dict[int, int] = {}
+    for r in records:
+        last[r["step"]] = max(last.get(r["step"], -1), r["start"])
+    steps: dict[int, dict] = {}
+    for r in records:
+        if r["start"] == last[r["step"]]:
+            step = steps.setdefault(r["step"], {"world": r["world"], "start": r["start"], "batches": []})
+            step["batches"] += r["ids"]
+    return steps
+
+
+def _placement_groups() -> list[dict]:
+    """This job's placement groups (Ray Train's worker groups): bundles, and whether Ray ever placed it."""
+    import ray
+
+    job = ray.get_runtime_context().get_job_id()
+    return [{"bundles": len(g["bundles"]), "placed": g["stats"]["end_to_end_creation_latency_ms"] > 0}
+            for pg_id, g in ray.util.placement_group_table().items() if pg_id.endswith(job)]
+
+
 def main(spec_path: str) -> None:
     """Train the digits job on the cluster at spec["address"]; write losses, a digest of the final
     weights and what the driver's output_dir holds to spec["result"]."""
@@ -301,6 +375,11 @@ def main(spec_path: str) -> None:
     if spec.get("lora"):  # the LoRA job instead: a tiny Llama's adapter, checkpoints holding it alone
         from tests.hf.peft_jobs import lm_rows, lora_model
         train, model = lm_rows(64), lora_model(dropout=0.1)
+    elif spec.get("ids"):  # 256 samples (8 steps an epoch), each step's ids logged by every rank
+        import numpy as np
+
+        train = {**{k: v[:256] for k, v in train.items()}, "idx": np.arange(256)}
+        model = IdDigits()
     else:
         model = digits_model()
     callbacks = [PauseOnce(**spec["pause"])] if spec.get("pause") else []
@@ -308,6 +387,8 @@ def main(spec_path: str) -> None:
         callbacks.append(WorldLog(spec["worlds"], spec.get("hold")))
     if spec.get("marks"):  # benchmarks/distributed.py
         callbacks.append(StepMarks(spec["marks"]))
+    if spec.get("ids"):
+        callbacks.append(IdLog(spec["ids"]))
     result: dict = {}
     try:
         trainer = Trainer(model, args, train_dataset=train, eval_dataset=val if best else None,
@@ -318,7 +399,7 @@ def main(spec_path: str) -> None:
         result = {"global_step": out.global_step, "digest": state_digest(trainer.model.state_dict()),
                   "logs": [h for h in trainer.state.log_history if "loss" in h],
                   "best_model_checkpoint": trainer.state.best_model_checkpoint,
-                  "output_dir": sorted(os.listdir(spec["output_dir"]))}
+                  "output_dir": sorted(os.listdir(spec["output_dir"])), "placement_groups": _placement_groups()}
     except Exception as e:  # noqa: BLE001 - the test asserts on it
         result = {"error": f"{type(e).__name__}: {e}"}
     with open(spec["result"], "w") as f:

@@ -17,14 +17,15 @@ import os
 import sys
 import threading
 import time
+import types
 
 import numpy as np
 import pytest
 import torch
-from torch import nn
 
 from raytrain import ConfigError, Trainer, TrainerCallback, TrainingArguments
 from raytrain.config.sections import ScalingConfig
+from tests.driver.cluster import IdDigits
 
 # ---------------------------------------------------------------- the batch arithmetic (in-process)
 
@@ -129,22 +130,6 @@ def test_one_worker_of_two_accumulates_the_same_global_batch(tmp_path, caplog):
 
 N, STEPS_PER_EPOCH, MAX_STEPS = 256, 8, 24  # a global batch of 32: 8 steps an epoch, 3 epochs
 PAUSES = {(12, 2): "paused-12", (20, 1): "paused-20"}  # (global_step, world size): the marker written
-
-
-class IdDigits(nn.Module):
-    """The digits MLP, recording the sample ids of every training micro-batch."""
-
-    def __init__(self):
-        super().__init__()
-        from tests.strategies._helpers import digits_model
-
-        self.net = digits_model()
-        self.seen: list[list[int]] = []
-
-    def forward(self, pixels, idx, labels=None):
-        if self.training:
-            self.seen.append(idx.tolist())
-        return self.net(pixels, labels)
 
 
 class ElasticProbe(TrainerCallback):
@@ -312,3 +297,119 @@ def test_group_shrinks_to_one_and_grows_back(ray_cluster, tmp_path):
     ref_w = reference.model.state_dict()
     for name, value in trainer.model.state_dict().items():
         torch.testing.assert_close(value, ref_w[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+# ---------------------------------------------------------------- the restart after a node loss (the policy)
+
+
+@pytest.fixture
+def actors(ray_cluster):
+    """Three actors on this node: one that answers, one killed, one busy for 120 s (silent)."""
+    ray = ray_cluster
+
+    @ray.remote(num_cpus=0)
+    class Worker:
+        def busy(self, seconds):
+            time.sleep(seconds)
+
+    up, killed, busy = Worker.remote(), Worker.remote(), Worker.remote()
+    ray.get([a.__ray_ready__.remote() for a in (up, killed, busy)])
+    ray.kill(killed)
+    busy.busy.remote(120)  # its liveness calls queue behind it
+    yield up, killed, busy
+    for actor in (up, busy):
+        ray.kill(actor)
+
+
+class _Unavailable:
+    """An actor handle whose liveness call fails as one on a lost node does (connection refused)."""
+
+    def __init__(self, ray):
+        @ray.remote(num_cpus=0)
+        def refused():
+            raise ray.exceptions.ActorUnavailableError("RpcError: Connection refused", None)
+
+        self.ref = refused.remote()
+        ray.wait([self.ref], timeout=60)  # failed already: the ping's answer is there at once
+        self.__ray_ready__ = types.SimpleNamespace(remote=lambda: self.ref)
+
+
+def _policy(monkeypatch, reserved: dict):
+    """The policy of a [1, 2] group of {CPU: 1} workers, Ray's coordinator replaced by `reserved`."""
+    from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
+
+    from raytrain.driver.elastic import FreshViewElasticPolicy
+    from raytrain.driver.torch_trainer import scaling_config
+
+    monkeypatch.setattr(ElasticScalingPolicy, "_maybe_send_resource_request", lambda self: None)
+    monkeypatch.setattr(ElasticScalingPolicy, "_get_reserved_resources", lambda self: dict(reserved))
+    policy = FreshViewElasticPolicy(scaling_config(ScalingConfig(num_workers=[1, 2])))
+    monkeypatch.setattr(policy, "_fresh_reserved", lambda: dict(reserved))
+    return policy
+
+
+@pytest.mark.ray
+def test_nodes_whose_workers_do_not_answer_are_the_ones_left_out(ray_cluster, actors):
+    """A node is left out when none of its workers answers Ray's liveness call and one is unreachable or
+    silent; a worker that died on a node that is up (ActorDiedError) does not leave its node out."""
+    from raytrain.driver.elastic import unreachable_nodes
+
+    up, killed, busy = actors
+    workers = [(up, "answers"), (killed, "died"), (busy, "silent"), (_Unavailable(ray_cluster), "unreachable"),
+               (busy, "one answers"), (up, "one answers")]
+    assert unreachable_nodes(workers, timeout_s=1.0) == {"silent", "unreachable"}
+    assert unreachable_nodes([]) == set()
+
+
+@pytest.mark.ray
+def test_a_restart_is_sized_without_the_nodes_left_out_until_the_gcs_or_a_task_says(ray_cluster, actors,
+                                                                                     monkeypatch, caplog):
+    """The group that ran on this node and a lost one fails; its worker here is silent: the restart counts
+    neither node (no decision: below min_workers), kills that worker, and would place the group off this
+    node; a task run here brings the node back (a [1, 2] group of 2 then); the lost node, dead to the
+    GCS, is never counted again, whatever the coordinator's older view says."""
+    from ray.train.v2._internal.execution.scaling_policy import NoopDecision, ResizeDecision
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    ray = ray_cluster
+    here, lost = ray.get_runtime_context().get_node_id(), "ab" * 28  # a node the GCS does not list
+    up, _, busy = actors
+    policy = _policy(monkeypatch, {here: {"CPU": 2}, lost: {"CPU": 1}})
+
+    class Group:  # what Ray Train passes: the workers with their nodes (started now: no resize check)
+        workers = [types.SimpleNamespace(actor=busy, metadata=types.SimpleNamespace(node_id=here))]
+        start_time = time.monotonic()
+
+    policy.make_decision_for_running_worker_group(Group, None)  # a healthy poll records the workers
+    policy.suspects[lost] = None  # left out earlier; the GCS does not list it
+    with caplog.at_level(logging.WARNING, logger="raytrain.driver.elastic"):
+        assert isinstance(policy.make_decision_for_non_running_worker_group(), NoopDecision)
+    assert set(policy.suspects) == {here} and policy.gone == {lost}
+    assert [r.getMessage() for r in caplog.records] == [
+        f"node {here[:8]}: the workers it ran do not answer; the restart does not count it (the GCS lists it "
+        "alive until its health checks fail)"]
+    with pytest.raises(ray.exceptions.RayActorError):  # killed: Ray Train's shutdown does not wait on it
+        ray.get(busy.__ray_ready__.remote(), timeout=30)
+
+    # The next group's placement leaves this node out: Ray cannot place it on the one node there is.
+    selector = policy.on_controller_start_worker_group(scaling_config=None, num_workers=1)
+    assert selector == {"ray.io/node-id": f"!{here}"}
+    off, on = placement_group([{"CPU": 1}], bundle_label_selector=[selector]), placement_group([{"CPU": 1}])
+    try:
+        assert on.wait(30) and not off.wait(1)
+    finally:
+        remove_placement_group(off)
+        remove_placement_group(on)
+
+    # The probe task sent to this node runs: counted again, the lost node not.
+    deadline = time.monotonic() + 60
+    decision = policy.make_decision_for_non_running_worker_group()
+    while isinstance(decision, NoopDecision) and time.monotonic() < deadline:
+        time.sleep(0.5)
+        decision = policy.make_decision_for_non_running_worker_group()
+    assert isinstance(decision, ResizeDecision) and decision.num_workers == 2
+    assert not policy.suspects and policy.gone == {lost}
+    assert policy.on_controller_start_worker_group(scaling_config=None, num_workers=2) is None
+    assert policy._get_reserved_resources() == {here: {"CPU": 2}}
+    policy.leave_out({"cd" * 28})  # a node the GCS does not list alive is not left out: it is gone already
+    assert not policy.suspects

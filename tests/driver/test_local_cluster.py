@@ -16,11 +16,11 @@ import time
 import pytest
 import yaml
 
-from raytrain.cli.local_cluster import HEAD_TYPE, LocalCluster, twin_config
+from raytrain.cli.local_cluster import HEAD_TYPE, LocalCluster, health_checks, twin_config
 from tests.driver.cluster import ROOT, drive
 
 
-def test_the_twin_is_shaped_like_cluster_yaml():
+def test_the_twin_is_shaped_like_cluster_yaml(tmp_path, monkeypatch):
     with open(os.path.join(ROOT, "cluster.yaml")) as f:
         cluster = yaml.safe_load(f)
     twin = twin_config(cluster, gcs_address="10.0.0.1:6379", worker_cpus=2, idle_timeout_s=30)
@@ -32,6 +32,18 @@ def test_the_twin_is_shaped_like_cluster_yaml():
     assert types[HEAD_TYPE]["resources"] == {"CPU": 0}
     assert {name: (t["min_workers"], t["max_workers"], t["resources"]["CPU"]) for name, t in types.items()
             if name != HEAD_TYPE} == {"ray.worker.gpu_spot": (0, 8, 2), "ray.worker.gpu_spot_4x": (0, 2, 2)}
+    # cluster.yaml's head notices a lost node in seconds; the twin's head runs the same health checks,
+    # unless the caller's environment sets its own
+    checks = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "2000",
+              "RAY_health_check_failure_threshold": "5"}
+    assert health_checks(cluster) == checks
+    for name in checks:
+        monkeypatch.delenv(name, raising=False)
+    head = LocalCluster(os.path.join(ROOT, "cluster.yaml"), base=str(tmp_path)).head_env()
+    assert {k: head[k] for k in checks} == checks
+    monkeypatch.setenv("RAY_health_check_period_ms", "3000")
+    assert LocalCluster(os.path.join(ROOT, "cluster.yaml"), base=str(tmp_path)).head_env()[
+        "RAY_health_check_period_ms"] == "3000"
 
 
 def test_a_bad_cluster_yaml_is_one_line_and_exit_2(tmp_path, capsys):
