@@ -145,6 +145,9 @@ class RolloutMethods(RewardMethods, TRLMethods):
         if self.accelerator.is_main_process and self.log_completions and self._kind == "GRPO":
             os.makedirs(os.path.join(args.output_dir, "completions"), exist_ok=True)
 
+    def process_seed(self) -> int:
+        return self.args.seed + self.accelerator.process_index  # TRL's device-specific seed, on a Ray worker too
+
     def _refuse(self, args: Any, train_dataset: Any, eval_dataset: Any) -> None:
         """One line for each of TRL's GRPO / RLOO features that raytrain.trl does not run, before any work."""
         why = {"use_vllm": "vLLM generation is not run; generation uses transformers' generate()",
@@ -247,7 +250,7 @@ class RolloutMethods(RewardMethods, TRLMethods):
         """TRL's: the micro-batch from the buffer (generated at the first micro-step of each generation batch), then
         raytrain's forward and backward; _step counts micro-steps (the position in the buffer)."""
         start = time.perf_counter()
-        if not model.training:
+        if not (model.training and self.model.training):  # a backend's wrapper over a model in eval mode too
             model.train()
         ga = self.current_gradient_accumulation_steps
         self._sync_gradients = (self._step + 1) % ga == 0
@@ -285,7 +288,9 @@ class RolloutMethods(RewardMethods, TRLMethods):
         """The module generate() runs on (TRL's unwrap_model_for_generation): the backend's wrapper removed,
         gradient checkpointing off. A backend that shards parameters gathers them here."""
         model = unwrap_model(self.model_wrapped if self.model_wrapped is not None else self.model)
-        with disable_gradient_checkpointing(model, self.args.gradient_checkpointing_kwargs):
+        strategy = self.get_strategy()
+        gathered = strategy.full_parameters() if strategy.model is not None else contextlib.nullcontext()
+        with gathered, disable_gradient_checkpointing(model, self.args.gradient_checkpointing_kwargs):
             yield model
 
     def _sample(self, prompt_ids: list[list[int]]) -> list[list[int]]:
