@@ -1,0 +1,95 @@
+"""raytrain.trl's GRPOTrainer on 2 Ray Train workers: under DDP each rank samples trl's own completions on 2 processes
+(TRL's device-specific seed) and every metric is trl's; under DDP, FSDP2 with LoRA and ZeRO-3 the losses, rewards
+and weights are one process's on the same global batch and completions; generation needs no collective under FSDP2
+or ZeRO-3; the LoRA adapter saved by the workers loads with PeftModel.from_pretrained."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.hf import grpo_ray_jobs as jobs  # by this name on the Ray workers too
+
+pytest.importorskip("trl")
+pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("grpo_on_ray")]
+
+
+def _close(a: list[dict], b: list[dict], tol: float = 1e-5) -> None:
+    assert len(a) == len(b) > 0
+    for x, y in zip(a, b):
+        assert x.keys() == y.keys(), (sorted(set(x) ^ set(y)), x, y)
+        for k in x:
+            assert x[k] == pytest.approx(y[k], abs=tol, rel=tol), (k, x, y)
+
+
+@pytest.fixture(scope="module")
+def two_workers(ray_cluster, tmp_path_factory):
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from tests.hf import grpo_jobs
+
+    root = tmp_path_factory.mktemp("grpo_on_ray")
+    model = grpo_jobs.save_tiny_model(str(root / "tiny"))
+    config = {"root": str(root), "model": model, "cases": jobs.worker_cases(str(root), model)}
+    trainer = TorchTrainer(jobs.run_on_two_workers, train_loop_config=config,
+                           scaling_config=ScalingConfig(num_workers=2),
+                           run_config=RunConfig(name="grpo_on_ray", storage_path=str(root / "ray")))
+    return root, model, trainer.fit().return_value
+
+
+@pytest.mark.timeout(600)
+def test_ddp_on_two_workers_samples_and_logs_what_trl_does_on_two_processes(two_workers):
+    """The same prompts, completions and rewards on each rank, every generation; every logged metric."""
+    root, _, results = two_workers
+    for rank in (0, 1):
+        theirs, ours = jobs.rank_calls(root / "trl" / "calls", rank), jobs.rank_calls(root / "ddp" / "calls", rank)
+        assert [c["step"] for c in ours] == [0, 2] and ours == theirs, rank
+    assert jobs.rank_calls(root / "ddp" / "calls", 0)[0]["completion_ids"] != \
+        jobs.rank_calls(root / "ddp" / "calls", 1)[0]["completion_ids"]
+    _close(jobs.steps(results["ddp"]["log"]), jobs.steps(results["trl"]))
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", list(jobs.CASES))
+def test_two_workers_match_one_process_on_the_same_batch_and_completions(two_workers, tmp_path, case):
+    """trl's GRPOTrainer in one process (per-device batch 4), given the completions the 2 workers sampled: the same
+    prompts and rewards per generation, the per-step losses, grad norms and rewards within 1e-5, the final weights
+    within 1e-5 (LoRA: the adapter the workers saved at the last step as PEFT writes it, loaded by
+    PeftModel.from_pretrained)."""
+    import io
+
+    import torch
+    from peft import PeftModel, get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    root, model, results = two_workers
+    lora = jobs.CASES[case][1]
+    calls = jobs.global_calls(root / case / "calls")
+    one = jobs.replay(str(tmp_path / "one"), model, calls, peft=lora)
+    replayed = jobs.global_calls(tmp_path / "one" / "calls", ranks=1)
+    assert [(c["prompts"], c["rewards"]) for c in replayed] == [(c["prompts"], c["rewards"]) for c in calls]
+    ours = jobs.steps(results[case]["log"], jobs.GLOBAL_KEYS)
+    theirs = jobs.steps(one.state.log_history, jobs.GLOBAL_KEYS)
+    assert len(ours) == 4 and {"loss", "grad_norm", "reward", "rewards/length/mean"} <= set(ours[0])
+    _close(ours, theirs)
+    if lora:
+        saved = root / case / "checkpoint-4"
+        assert "model.safetensors" not in os.listdir(saved)
+        loaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model), str(saved))
+        got, want = get_peft_model_state_dict(loaded), get_peft_model_state_dict(one.model)
+    else:
+        got = torch.load(io.BytesIO(results[case]["weights"]), weights_only=True)
+        want = one.model.state_dict()
+    assert got.keys() == want.keys() and len(got) > 0
+    for k, v in got.items():
+        torch.testing.assert_close(v, want[k].detach().cpu(), rtol=1e-5, atol=1e-5, msg=k)
+
+
+def test_generation_under_fsdp2_and_zero3_runs_no_collective(two_workers):
+    """Rank 0 generated 6 tokens inside Strategy.full_parameters while rank 1 generated none (no rank waited for
+    the other), the unsharded model's tokens."""
+    _, _, results = two_workers
+    for backend, tokens in results["generation"].items():
+        assert tokens["got"] == tokens["want"] and len(tokens["want"]) == 11, backend
