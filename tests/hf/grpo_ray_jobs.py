@@ -75,7 +75,7 @@ def steps(log_history: list[dict], keys=None) -> list[dict]:
             for e in log_history if "loss" in e]
 
 
-def _trainer(lib: str, out: str, model_path: str, peft: bool, **kw):
+def _trainer(lib: str, out: str, model_path: str, peft: bool, callbacks=(), **kw):
     from examples.sft import build_tokenizer
 
     from .trl_jobs import libs, lora
@@ -83,7 +83,12 @@ def _trainer(lib: str, out: str, model_path: str, peft: bool, **kw):
     args = grpo_jobs.config(lib, "grpo", out, **kw)
     return libs(lib).GRPOTrainer(model=model_path, reward_funcs=recording_rewards(os.path.join(out, "calls")),
                                  args=args, train_dataset=grpo_jobs.prompts(), processing_class=build_tokenizer(),
-                                 peft_config=lora() if peft else None)
+                                 peft_config=lora() if peft else None, callbacks=list(callbacks))
+
+
+def ray_trainer(out: str, model_path: str, peft: bool = False, **kw):
+    """raytrain.trl's GRPOTrainer for a Ray run (scaling and distributed in `kw`), per-device batch 2."""
+    return _trainer("rt", out, model_path, peft, per_device_train_batch_size=2, **kw)
 
 
 def worker_cases(root: str, model_path: str) -> dict:

@@ -93,3 +93,43 @@ def test_generation_under_fsdp2_and_zero3_runs_no_collective(two_workers):
     _, _, results = two_workers
     for backend, tokens in results["generation"].items():
         assert tokens["got"] == tokens["want"] and len(tokens["want"]) == 11, backend
+
+
+@pytest.mark.long  # two Ray runs: by default test_grpo.py's in-process SIGKILL and driver/test_launch.py's Ray SIGKILL
+@pytest.mark.timeout(900)
+def test_a_killed_rank_resumes_mid_buffer_bit_exact(ray_cluster, tmp_path):
+    """LoRA, num_iterations=2, steps_per_generation 4 > gradient_accumulation_steps 2 on 2 Ray workers: rank 1 is
+    SIGKILLed after step 4; Ray restarts the group from checkpoint-3, in the middle of the first generation batch
+    (its rollout buffer, position and generation RNG per rank in the checkpoint). Step 4 trains on the saved buffer,
+    step 5 samples the uninterrupted run's completions on each rank; every logged value and the adapter are the
+    uninterrupted run's, bit for bit."""
+    import signal
+
+    import torch
+    from safetensors.torch import load_file
+
+    from tests.hf import grpo_jobs
+    from tests.strategies._helpers import FaultInjector
+
+    model = grpo_jobs.save_tiny_model(str(tmp_path / "tiny"))
+    runs = {}
+    for name, faults in (("whole", []), ("killed", [FaultInjector(1, 4, signal.SIGKILL)])):
+        out = tmp_path / name
+        trainer = jobs.ray_trainer(str(out), model, peft=True, callbacks=faults, max_steps=6, num_iterations=2,
+                                   beta=0.04, steps_per_generation=4, save_strategy="steps", save_steps=3,
+                                   logging_steps=2, distributed=jobs.BACKENDS["ddp"],
+                                   scaling={"num_workers": 2, "max_failures": 1,
+                                            "storage_path": str(tmp_path / f"ray_{name}")})
+        trainer.train()
+        final = trainer.save_model(str(out / "final"))
+        runs[name] = (jobs.steps(trainer.state.log_history), load_file(os.path.join(final, "adapter_model.safetensors")))
+    assert [int(s) for s in (tmp_path / "killed" / "starts.txt").read_text().split()] == [0, 3]
+    for rank in (0, 1):
+        whole, killed = (jobs.rank_calls(tmp_path / n / "calls", rank) for n in ("whole", "killed"))
+        assert [c["step"] for c in whole] == [0, 4] and killed == whole, rank  # step 0 sampled before the kill
+    killed, whole = runs["killed"][0], runs["whole"][0]
+    assert killed == whole, [(a["step"], k, a.get(k), b.get(k)) for a, b in zip(killed, whole)
+                             for k in set(a) | set(b) if a.get(k) != b.get(k)]
+    assert [e["step"] for e in whole] == [2, 4, 6]
+    want, got = runs["whole"][1], runs["killed"][1]
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
