@@ -12,7 +12,7 @@ import pytest
 from tests.hf import grpo_ray_jobs as jobs  # by this name on the Ray workers too
 
 pytest.importorskip("trl")
-pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("grpo_on_ray")]
+pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("grpo_backends_on_ray")]
 
 
 def _close(a: list[dict], b: list[dict], tol: float = 1e-5) -> None:
@@ -30,12 +30,12 @@ def two_workers(ray_cluster, tmp_path_factory):
 
     from tests.hf import grpo_jobs
 
-    root = tmp_path_factory.mktemp("grpo_on_ray")
+    root = tmp_path_factory.mktemp("grpo_backends_on_ray")
     model = grpo_jobs.save_tiny_model(str(root / "tiny"))
     config = {"root": str(root), "model": model, "cases": jobs.worker_cases(str(root), model)}
     trainer = TorchTrainer(jobs.run_on_two_workers, train_loop_config=config,
                            scaling_config=ScalingConfig(num_workers=2),
-                           run_config=RunConfig(name="grpo_on_ray", storage_path=str(root / "ray")))
+                           run_config=RunConfig(name="grpo_backends_on_ray", storage_path=str(root / "ray")))
     return root, model, trainer.fit().return_value
 
 
