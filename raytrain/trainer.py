@@ -346,9 +346,7 @@ class Trainer(HFOverridePoints, ExampleScriptMethods):
     def training_step(self, model, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
         """Forward and backward for one micro-batch; returns the detached loss (no host sync)."""
         strategy = self._strategy
-        # model.train() walks every module: only after an evaluation, or when a backend's new wrapper (DDP,
-        # DeepSpeed's engine) says training over a model built in eval mode (from_pretrained's)
-        if not (model.training and self.model.training):
+        if not model.training:  # model.train() walks every module: only after an evaluation
             model.train()
         optimizer = self.optimizer
         if hasattr(optimizer, "train"):  # schedule-free: the weights it trains, not those it evaluates (as HF)
@@ -457,11 +455,6 @@ class Trainer(HFOverridePoints, ExampleScriptMethods):
     def prepare_inputs(self, inputs: dict) -> dict:
         """The batch on this rank's device, by HF's overridable _prepare_inputs."""
         return self._prepare_inputs(inputs)
-
-    def process_seed(self) -> int:
-        """The seed __init__ leaves this process's generators at (HF's: args.seed); a Ray worker, whose Trainer
-        was built on the driver, seeds with it before training."""
-        return self.args.seed
 
     def rank_state(self) -> dict | None:
         """What a subclass keeps on this rank between steps (GRPO's rollout buffer): saved in each checkpoint as

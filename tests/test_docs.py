@@ -39,7 +39,7 @@ RUN = {
     "sweep_report.sh": [],                         # on a sweep directory laid out as Ray Tune writes it
     "tracking.sh": ["--set", "max_steps=20", "--no-report"],  # `mlflow ui`, a server: the store it opens is read
     "quickstart.py": [], "concepts.py": [], "checkpoints.py": [], "data_files.py": [],
-    "hf_switch.py": [], "hf_dataclass.py": [], "llm.py": [],
+    "hf_switch.py": [], "hf_dataclass.py": [], "llm.py": [], "grpo.py": [],
 }
 # snippet -> the Ray test that runs it (read from the snippet, with the overrides it adds); the Ray tests
 # share the session's cluster, so the snippet is run there rather than here
@@ -256,6 +256,9 @@ def test_python_snippet_runs(name, workdir, capsys):
         assert "PeftModelForCausalLM LlamaForCausalLM" in capsys.readouterr().out
     if name == "checkpoints.py":
         assert sorted(os.listdir(workdir / "runs/ckpt")) >= ["checkpoint-40", "checkpoint-60"]
+    if name == "grpo.py":  # the adapter as PEFT writes it; the checkpoints hold the rollout buffer
+        assert {"adapter_config.json", "trainer_rank_state.pth"} <= set(os.listdir(workdir / "runs/grpo/checkpoint-2"))
+        assert "rewards/has_digit/mean" in capsys.readouterr().err  # the progress lines
 
 
 # ---------------------------------------------------------------- snippets that are checked only

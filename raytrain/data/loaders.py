@@ -256,7 +256,12 @@ class WorkerPool:
             return iter(())
         loader = torch.utils.data.DataLoader(_Batches(self.source, epoch, start), batch_size=None, shuffle=False,
                                              **self.loader_kwargs)
-        return timed_batches(self.source, iter(loader), 0)
+        if start == 0:  # torch's DataLoader draws its base seed from the global generator, as HF's once an epoch
+            return timed_batches(self.source, iter(loader), 0)
+        kept = torch.get_rng_state()  # a resumed epoch draws nothing: the restored RNG goes on as it would have
+        batches = iter(loader)
+        torch.set_rng_state(kept)
+        return timed_batches(self.source, batches, 0)
 
 
 def check_iterable_training(source: Any, max_steps: int) -> None:

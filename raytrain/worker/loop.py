@@ -136,6 +136,9 @@ def _setup(trainer: TrainerProtocol) -> RunState:
         trainer.lr_scheduler = None  # a schedule created by an earlier train() starts over, as HF
     model, optimizer = strategy.setup(trainer.model, trainer.optimizer_factory(max_steps), opt)
     trainer.model_wrapped, trainer.optimizer = model, optimizer
+    # HF's training_step sets train mode on every step; the loop's, only after an evaluation: here, the whole model
+    # once (a wrapper, DDP or PeftModel, may train while the model inside came in from_pretrained's eval mode)
+    model.train()
     trainer.create_scheduler(max_steps, optimizer)
     cb = trainer.callback_handler
     cb.model, cb.optimizer, cb.lr_scheduler, cb.train_dataloader = model, optimizer, trainer.lr_scheduler, data

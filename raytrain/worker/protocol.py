@@ -93,10 +93,6 @@ class TrainerProtocol(Protocol):
     def prepare_inputs(self, inputs: dict) -> dict:
         """The batch on this rank's device, by HF's overridable _prepare_inputs."""
 
-    def process_seed(self) -> int:
-        """The seed this process's generators start from, as the Trainer's __init__ left them in its own process
-        (HF: args.seed; TRL's GRPO / RLOO: args.seed + the process index); a Ray worker seeds with it."""
-
     def rank_state(self) -> dict | None:
         """What the Trainer keeps on this rank between steps (plain data and tensors; None: nothing), saved
         with each checkpoint."""

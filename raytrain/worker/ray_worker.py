@@ -315,7 +315,7 @@ def train_loop_per_worker(config: dict) -> dict | None:
     trainer: TrainerProtocol = cloudpickle.loads(config["trainer"])
     for key, blocks in config.get("datasets", {}).items():  # ray Datasets, executed once by the driver
         setattr(trainer, key, blocks)
-    set_seed(trainer.process_seed(), trainer.args.full_determinism)  # as Trainer.__init__ did on the driver
+    set_seed(trainer.args.seed, trainer.args.full_determinism)  # as Trainer.__init__ did on the driver
     strategy = trainer.get_strategy()  # rank and world from torch.distributed, set up by TorchTrainer
     # Ray's workers log INFO: raytrain's INFO lines (HF's "***** Running training *****") only where the
     # user asked for them (log_level on the main process, log_level_replica elsewhere), as HF.

@@ -34,18 +34,40 @@ def _text(completion) -> str:
 
 
 class Recorder:
-    """TRL-signature reward functions that remember their calls: (step, prompts, completion ids, rewards)."""
+    """TRL-signature reward functions that remember their calls: (step, prompts, completion ids, rewards); with a
+    `folder`, each rank also appends them to folder/rank-R.jsonl (the calls made on Ray workers)."""
 
-    def __init__(self):
+    def __init__(self, folder: str | None = None):
         self.calls: list[dict] = []
+        self.folder = folder
+
+    def _keep(self, call: dict) -> None:
+        self.calls.append(call)
+        if self.folder is not None:
+            import json
+            import os
+
+            import torch.distributed as dist
+
+            rank = dist.get_rank() if dist.is_initialized() else 0
+            os.makedirs(self.folder, exist_ok=True)
+            with open(os.path.join(self.folder, f"rank-{rank}.jsonl"), "a") as f:
+                f.write(json.dumps(call) + "\n")
+
+    def read(self, rank: int) -> list[dict]:
+        import json
+        import os
+
+        with open(os.path.join(self.folder, f"rank-{rank}.jsonl")) as f:
+            return [json.loads(line) for line in f]
 
     def functions(self, kinds=("length", "digits", "async")) -> list:
         out = []
         if "length" in kinds:
             def length(prompts, completions, completion_ids, trainer_state, **kw):
                 rewards = [len(_text(c)) / 8 + 0.01 * trainer_state.global_step for c in completions]
-                self.calls.append({"step": trainer_state.global_step, "prompts": prompts,
-                                   "completion_ids": [list(ids) for ids in completion_ids], "rewards": rewards})
+                self._keep({"step": trainer_state.global_step, "prompts": prompts,
+                            "completion_ids": [list(ids) for ids in completion_ids], "rewards": rewards})
                 return rewards
             out.append(length)
         if "digits" in kinds:  # None where it does not apply (TRL's multi-task rewards)
@@ -88,7 +110,7 @@ def config(lib: str, kind: str, out: str, **kw):
 
 def trainer(lib: str, out: str, model_path: str, kind: str = "grpo", peft: bool = False, conversational: bool = True,
             recorder: Recorder | None = None, rewards=("length", "digits", "async"), with_reward_model: bool = False,
-            callbacks=(), **kw):
+            callbacks=(), eval_dataset=None, **kw):
     from examples.sft import build_tokenizer
 
     from .trl_jobs import lora
@@ -101,10 +123,41 @@ def trainer(lib: str, out: str, model_path: str, kind: str = "grpo", peft: bool 
         funcs, classes = [*funcs, model], [None] * len(funcs) + [tok]
     cls = getattr(libs(lib), "GRPOTrainer" if kind == "grpo" else "RLOOTrainer")
     return cls(model=model_path, reward_funcs=funcs, args=config(lib, kind, out, **kw),
-               train_dataset=prompts(conversational), processing_class=build_tokenizer(),
+               train_dataset=prompts(conversational), eval_dataset=eval_dataset, processing_class=build_tokenizer(),
                reward_processing_classes=classes, peft_config=lora() if peft else None, callbacks=list(callbacks))
 
 
 def steps(trainer) -> list[dict]:
     """Each step's log (TRL's metrics with it), less the timing."""
     return [{k: v for k, v in e.items() if k not in ("step_time",)} for e in trainer.state.log_history if "loss" in e]
+
+
+def evaluations(trainer) -> list[dict]:
+    """Each evaluation's log, less its timings."""
+    return [{k: v for k, v in e.items() if not k.endswith(("_runtime", "_per_second"))}
+            for e in trainer.state.log_history if "eval_loss" in e]
+
+
+ON_TWO = dict(rewards=("length", "digits"), max_steps=4, per_device_train_batch_size=2, num_iterations=2,
+              steps_per_generation=4, beta=0.04, peft=True)
+
+
+def _trl_on_two_processes(out: str, model_path: str) -> None:
+    """trl's GRPOTrainer on 2 torchrun processes (gloo): its log and each rank's completions, as JSON."""
+    import json
+    import os
+
+    import torch
+
+    torch.set_num_threads(1)
+    t = trainer("trl", out, model_path, recorder=Recorder(os.path.join(out, "calls")), **ON_TWO)
+    t.train()
+    if int(os.environ["RANK"]) == 0:
+        with open(os.path.join(out, "steps.json"), "w") as f:
+            json.dump(steps(t), f)
+
+
+if __name__ == "__main__":  # python -m torch.distributed.run --nproc_per_node 2 -m tests.hf.grpo_jobs OUT MODEL
+    import sys
+
+    _trl_on_two_processes(sys.argv[1], sys.argv[2])

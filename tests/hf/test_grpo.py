@@ -4,6 +4,7 @@ completions and rewards, per-step losses, rewards and TRL's metrics; exact resum
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 
@@ -70,12 +71,14 @@ def test_config_refusals_are_one_line(tmp_path, kw, message):
 GRPO_CASES = {  # every combination of num_iterations 1 / 2, beta 0 / 0.04, full fine-tuning / LoRA; TRL's options spread
     "full-iter1-beta0": dict(num_iterations=1, beta=0.0, peft=False, loss_type="grpo", with_reward_model=True),
     "full-iter1-beta0.04": dict(num_iterations=1, beta=0.04, peft=False, conversational=False, loss_type="bnpo",
-                                top_entropy_quantile=0.5),
+                                top_entropy_quantile=0.5, eval_prompts=4, eval_strategy="steps", eval_steps=5,
+                                per_device_eval_batch_size=4, num_generations_eval=2),
     "full-iter2-beta0": dict(num_iterations=2, beta=0.0, peft=False, steps_per_generation=4, scale_rewards="none",
                              multi_objective_aggregation="normalize_then_sum"),
     "full-iter2-beta0.04": dict(num_iterations=2, beta=0.04, peft=False, steps_per_generation=4,
                                 scale_rewards="batch", temperature=0.7, top_k=20),
-    "lora-iter1-beta0": dict(num_iterations=1, beta=0.0, peft=True, loss_type="cispo", entropy_coef=0.01),
+    "lora-iter1-beta0": dict(num_iterations=1, beta=0.0, peft=True, loss_type="cispo", entropy_coef=0.01,
+                             log_completions=True, num_completions_to_print=2),
     "lora-iter1-beta0.04": dict(num_iterations=1, beta=0.04, peft=True, conversational=False, loss_type="dr_grpo",
                                 importance_sampling_level="sequence", top_p=0.9),
     "lora-iter2-beta0": dict(num_iterations=2, beta=0.0, peft=True, steps_per_generation=4, epsilon_high=0.28,
@@ -85,11 +88,12 @@ GRPO_CASES = {  # every combination of num_iterations 1 / 2, beta 0 / 0.04, full
 }
 
 
-def _pair(tmp_path, tiny, **kw):
+def _pair(tmp_path, tiny, eval_prompts: int = 0, **kw):
     out = {}
     for lib in ("trl", "rt"):
         recorder = jobs.Recorder()
-        t = jobs.trainer(lib, str(tmp_path / lib), tiny, recorder=recorder, **kw)
+        evals = jobs.prompts(kw.get("conversational", True), n=eval_prompts) if eval_prompts else None
+        t = jobs.trainer(lib, str(tmp_path / lib), tiny, recorder=recorder, eval_dataset=evals, **kw)
         t.train()
         out[lib] = (t, recorder)
     return out
@@ -105,6 +109,8 @@ def _same_run(pair) -> None:
     assert [c["completion_ids"] for c in our_calls.calls] == [c["completion_ids"] for c in their_calls.calls]
     assert len(our_calls.calls) >= 3
     _close(jobs.steps(ours), jobs.steps(theirs))
+    if jobs.evaluations(theirs):
+        _close(jobs.evaluations(ours), jobs.evaluations(theirs))
     logged = set().union(*jobs.steps(ours))
     assert {"reward", "reward_std", "frac_reward_zero_std", "entropy", "completions/mean_length",
             "completions/clipped_ratio", "num_tokens"} <= logged
@@ -123,8 +129,54 @@ def test_grpo_matches_trl_step_for_step(tmp_path, tiny, case):
         assert {"clip_ratio/low_mean", "clip_ratio/region_mean", "clip_ratio/high_max"} <= logged
     if kw.get("with_reward_model"):
         assert {"rewards/tiny-reward/mean", "rewards/tiny-reward/std"} <= logged
+    if kw.get("eval_prompts"):  # evaluation generates num_generations_eval completions per prompt, as TRL
+        assert [e["step"] for e in jobs.evaluations(pair["rt"][0])] == [5, 10]
+        assert {"eval_loss", "eval_reward", "eval_rewards/digits/mean", "eval_completions/mean_length"} <= \
+            set(jobs.evaluations(pair["rt"][0])[0])
+    if kw.get("log_completions"):  # TRL's completions table, Parquet per logging step
+        import pandas as pd
+
+        names = sorted(os.listdir(tmp_path / "trl" / "completions"))
+        assert names == sorted(os.listdir(tmp_path / "rt" / "completions")) and len(names) == 10
+        for name in names:
+            theirs = pd.read_parquet(tmp_path / "trl" / "completions" / name)
+            ours = pd.read_parquet(tmp_path / "rt" / "completions" / name)
+            pd.testing.assert_frame_equal(ours, theirs, atol=1e-5)
     if kw.get("use_adaptive_entropy"):
         assert "entropy_coef" in logged
+
+
+@pytest.mark.parametrize("given", ["peft_model", "in_memory"])
+def test_the_reference_of_a_given_peft_model_or_of_a_model_built_in_memory(tmp_path, tiny, given):
+    """beta 0.04: a PeftModel given as the model gets TRL's frozen `ref` copy of its adapter (both libraries); a model
+    built in memory (no path to reload, where trl fails) gets a frozen copy of itself, which is what trl's reload of
+    the same weights from their path gives."""
+    import torch
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from examples.sft import build_model
+
+    from .trl_jobs import lora
+
+    runs = {}
+    for lib in ("trl", "rt"):
+        recorder = jobs.Recorder()
+        if given == "peft_model":
+            torch.manual_seed(0)  # the adapter's random init, made before the trainer seeds
+            model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny), lora())
+        else:
+            model = tiny if lib == "trl" else build_model()  # the weights saved at `tiny`
+        t = jobs.trainer(lib, str(tmp_path / lib), model, recorder=recorder, beta=0.04, num_iterations=2,
+                         steps_per_generation=4)
+        t.train()
+        runs[lib] = (t, recorder)
+        if given == "peft_model":
+            assert set(t.model.peft_config) == {"default", "ref"}
+            # trained in train mode throughout, as HF's training_step sets it (from_pretrained's model came in eval)
+            assert all(m.training for m in t.model.modules())
+    assert runs["rt"][0].ref_model is None if given == "peft_model" else not runs["rt"][0].ref_model.training
+    _same_run(runs)
 
 
 RLOO_CASES = {  # RLOO's advantage (leave-one-out baseline, the KL penalty in the reward) on the same grid's corners

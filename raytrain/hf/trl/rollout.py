@@ -179,9 +179,6 @@ class RolloutMethods(RewardMethods, TRLMethods):
         self.callback_handler, self.model_init = handler, model_init
         return self.model
 
-    def process_seed(self) -> int:
-        return self.args.seed + self.accelerator.process_index  # TRL's device-specific seed, on a Ray worker too
-
     def _refuse(self, args: Any, train_dataset: Any, eval_dataset: Any) -> None:
         """One line for each of TRL's GRPO / RLOO features that raytrain.trl does not run, before any work."""
         why = {"use_vllm": "vLLM generation is not run; generation uses transformers' generate()",
@@ -260,6 +257,8 @@ class RolloutMethods(RewardMethods, TRLMethods):
         steps_per_generation micro-steps); the rows are handed over as they are (TRL's identity collator)."""
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
+        if self.accelerator.num_processes > 1:  # TRL's per-rank seed (set at init in one process), on this rank
+            set_seed(self.args.seed + self.accelerator.process_index)  # before a resume restores the RNG
         return self._build_source(self.train_dataset, self._train_batch_size * self.args.steps_per_generation,
                                   "train_dataset", shuffle=True, training=True)
 
@@ -284,7 +283,7 @@ class RolloutMethods(RewardMethods, TRLMethods):
         """TRL's: the micro-batch from the buffer (generated at the first micro-step of each generation batch), then
         raytrain's forward and backward; _step counts micro-steps (the position in the buffer)."""
         start = time.perf_counter()
-        if not (model.training and self.model.training):  # a backend's wrapper over a model in eval mode too
+        if not model.training:  # as HF: before _prepare_inputs (TRL's mode check)
             model.train()
         ga = self.current_gradient_accumulation_steps
         self._sync_gradients = (self._step + 1) % ga == 0
