@@ -22,7 +22,8 @@ BACKENDS = {"ddp": {"strategy": "ddp"},
 RUN = dict(max_steps=4, num_iterations=2, beta=0.04)
 # the LoRA run last: it saves checkpoint-4 on the workers, which Ray then hands to any later run of the group as
 # the checkpoint to restart from
-CASES = {"ddp": ("ddp", False), "zero3": ("zero3", False), "fsdp2-lora": ("fsdp2", True)}
+CASES = {"ddp": ("ddp", False), "zero3": ("zero3", False), "zero3-layerwise": ("zero3", False),
+         "fsdp2-lora": ("fsdp2", True)}
 # the metrics that are the same on any number of ranks for the same global batch; TRL's kl, entropy and clip
 # ratios are means of each rank's mean
 GLOBAL_KEYS = ("loss", "grad_norm", "learning_rate", "num_tokens", "reward", "reward_std", "frac_reward_zero_std",
@@ -99,6 +100,8 @@ def worker_cases(root: str, model_path: str) -> dict:
     for name, (backend, peft) in CASES.items():
         out = os.path.join(root, name)
         saves = {"save_strategy": "steps", "save_steps": 4} if peft else {"save_strategy": "no"}
+        if name == "zero3-layerwise":  # TRL's ds3_gather_for_generation=False: each forward gathers its layers
+            saves["ds3_gather_for_generation"] = False
         trainer = _trainer("rt", out, model_path, peft, per_device_train_batch_size=2,
                            scaling={"num_workers": 2}, distributed=BACKENDS[backend], **RUN, **saves)
         cases[name] = {"trainer": pickle_trainer(trainer, copy.deepcopy(trainer.args)), "resume_from_checkpoint": None,

@@ -319,12 +319,17 @@ class RolloutMethods(RewardMethods, TRLMethods):
     @contextlib.contextmanager
     def _generation_model(self) -> Iterator[torch.nn.Module]:
         """The module generate() runs on (TRL's unwrap_model_for_generation): the backend's wrapper removed,
-        gradient checkpointing off. A backend that shards parameters gathers them here."""
+        gradient checkpointing off, a sharding backend's parameters whole (Strategy.full_parameters: FSDP2 unshards,
+        ZeRO-3 gathers unless ds3_gather_for_generation is false, as in TRL)."""
         model = unwrap_model(self.model_wrapped if self.model_wrapped is not None else self.model)
-        strategy = self.get_strategy()
-        gathered = strategy.full_parameters() if strategy.model is not None else contextlib.nullcontext()
+        whole = self._whole_for_generation()
+        gathered = self.get_strategy().full_parameters() if whole else contextlib.nullcontext()
         with gathered, disable_gradient_checkpointing(model, self.args.gradient_checkpointing_kwargs):
             yield model
+
+    def _whole_for_generation(self) -> bool:
+        strategy = self.get_strategy()
+        return strategy.model is not None and (self.args.ds3_gather_for_generation or strategy.name != "deepspeed")
 
     def _sample(self, prompt_ids: list[list[int]]) -> list[list[int]]:
         """TRL's transformers path: prompts left-padded, sampled with the run's GenerationConfig (torch's RNG),
@@ -335,10 +340,11 @@ class RolloutMethods(RewardMethods, TRLMethods):
         mask = pad([torch.ones_like(t) for t in tensors], padding_value=0, padding_side="left",
                    pad_to_multiple_of=multiple)
         inputs = self._to_device({"input_ids": ids, "attention_mask": mask})
+        # whole parameters on each rank: no rank waits for another's forward passes (transformers would keep FSDP
+        # ranks in step); ZeRO-3 without gathering: each forward gathers its layers, the ranks kept in step (TRL's)
+        synced = not self._whole_for_generation() and self.accelerator.num_processes > 1
         with self._generation_model() as model, torch.no_grad(), self.accelerator.autocast():
-            # each rank holds the whole parameters (_generation_model): none waits for another's forward passes
-            # (transformers would keep FSDP ranks in step); the sampled tokens are the same either way
-            out = model.generate(**inputs, generation_config=self.generation_config, synced_gpus=False)
+            out = model.generate(**inputs, generation_config=self.generation_config, synced_gpus=synced)
         completion_ids = out[:, inputs["input_ids"].size(1):]
         is_eos = torch.isin(completion_ids, torch.tensor(self.eos_token_ids, device=completion_ids.device))
         eos_idx = torch.full((is_eos.size(0),), is_eos.size(1), dtype=torch.long, device=completion_ids.device)
