@@ -7,7 +7,8 @@ A checkpoint, piece by piece (file: what it holds; who writes it):
     scheduler.pt, scaler.pt              the learning-rate schedule, fp16's loss scale (rank 0)
     trainer_state.json                   TrainerState, the callbacks' states and TrainerControl (rank 0)
     data_state.json                      the data position and the order's identity (rank 0)
-    loop_state.json                      the loop's accumulators: unlogged loss, grad norm ... (rank 0)
+    loop_state.json                      the loop's accumulators: unlogged loss (and each rank's share), grad
+                                         norm ... (rank 0)
     rng_state.pth | rng_state_{rank}.pth Python, NumPy, torch CPU and CUDA generators (every rank)
     trainer_rank_state[_{rank}].pth      what the Trainer keeps between steps (rank_state(): GRPO's rollout
                                          buffer and its position), when it keeps anything (every rank)

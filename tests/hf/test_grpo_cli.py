@@ -17,13 +17,19 @@ EXAMPLE = os.path.join(ROOT, "examples", "grpo.yaml")
 
 
 def test_the_cli_runs_examples_grpo_yaml_and_its_adapter_loads(tmp_path):
+    """docs/snippets/grpo_cli.sh as shown, shorter (2 steps), in a subprocess."""
+    import shlex
+
     from peft import PeftModel
 
     from examples.sft import build_model
 
+    with open(os.path.join(ROOT, "docs", "snippets", "grpo_cli.sh")) as f:
+        (shown,) = [shlex.split(line) for line in f if line.strip() and not line.startswith("#")]
+    assert shown[:3] == ["python", "-m", "raytrain.run"]
     out = tmp_path / "run"
-    argv = ["--config", "examples/grpo.yaml", "--set", f"output_dir={out}", "--set", "max_steps=2",
-            "--set", "eval_steps=2", "--set", "save_steps=2", "--set", "logging_steps=1", "--set", "data.n_train=16"]
+    argv = [*shown[3:], "--set", f"output_dir={out}", "--set", "max_steps=2", "--set", "eval_steps=2",
+            "--set", "save_steps=2", "--set", "logging_steps=1", "--set", "data.n_train=16"]
     done = subprocess.run([sys.executable, "-m", "raytrain.run", *argv], cwd=ROOT, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
     assert done.returncode == 0, done.stderr[-3000:]
@@ -70,3 +76,44 @@ def test_a_reward_function_that_does_not_resolve_is_one_line_exit_2(tmp_path, ca
     assert code == 2
     assert err == (f"error: {message} (traceback in {tmp_path / 'o' / 'raytrain.log'}; --debug prints it)\n")
     assert not (tmp_path / "o" / "checkpoint-1").exists()
+
+
+def test_the_cli_sweep_of_examples_grpo_yaml_maximizes_the_mean_reward(tmp_path, monkeypatch):
+    """--search search_spaces/grpo.yaml (no metric, no mode): a GRPOTrainer built with model_init and the YAML's
+    reward functions, swept on GRPO's own objective, eval_reward, maximized. (tests/hf/test_grpo_sweep.py runs such
+    a sweep on Ray Tune.)"""
+    import raytrain.sweep as sweep
+    import raytrain.trl as rt
+    from raytrain.cli.job import build_job
+    from raytrain.cli.search import run_search_cli
+    from raytrain.cli.trl import trl_arguments
+    from raytrain.sweep.space import objective_defaults
+
+    seen = {}
+
+    def search(trainer, space, **kw):
+        seen.update(trainer=trainer, space=space, **kw)
+        return None
+
+    monkeypatch.setattr(sweep, "hyperparameter_search", search)
+    args = trl_arguments(EXAMPLE, [f"output_dir={tmp_path}"], "reward_funcs")
+    run_search_cli(args, build_job(args), os.path.join(ROOT, "search_spaces", "grpo.yaml"))
+    trainer = seen["trainer"]
+    assert type(trainer) is rt.GRPOTrainer and trainer.model_init is not None
+    assert [f.__name__ for f in trainer.reward_funcs] == ["correct_sum", "brevity"]
+    assert set(seen["space"].names) == {"beta", "learning_rate", "num_generations"}
+    assert (seen["metric"], seen["direction"]) == (None, None)
+    assert objective_defaults(trainer, None, None) == ("eval_reward", "maximize")
+
+
+def test_the_cli_sweeps_only_trainers_that_take_model_init(tmp_path):
+    from raytrain.cli.job import build_job
+    from raytrain.cli.search import run_search_cli
+    from raytrain.cli.trl import trl_arguments
+    from raytrain.config.args import ConfigError
+
+    args = trl_arguments(os.path.join(ROOT, "examples", "sft.yaml"), [f"output_dir={tmp_path}"], "packing")
+    with pytest.raises(ConfigError) as e:
+        run_search_cli(args, build_job(args), os.path.join(ROOT, "search_spaces", "lora.yaml"))
+    assert str(e.value) == ("--search: SFTTrainer takes no model_init (a fresh model per trial); the CLI sweeps "
+                            "raytrain's Trainer, Seq2SeqTrainer, GRPOTrainer and RLOOTrainer")

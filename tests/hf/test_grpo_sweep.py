@@ -10,7 +10,6 @@ import os
 import pytest
 
 pytest.importorskip("trl")
-pytestmark = pytest.mark.ray
 
 
 def _recording_reward(folder: str):
@@ -25,6 +24,7 @@ def _recording_reward(folder: str):
     return length
 
 
+@pytest.mark.ray
 @pytest.mark.timeout(600)
 def test_a_two_trial_sweep_reports_the_mean_reward_of_each_trials_evaluation(ray_cluster, tmp_path):
     import pandas as pd
@@ -76,3 +76,52 @@ def test_a_two_trial_sweep_reports_the_mean_reward_of_each_trials_evaluation(ray
         evaluated = [r for c in recorded if set(c["prompts"]) <= eval_prompts for r in c["rewards"]]
         assert len(evaluated) == len(evals) * n
         assert row["objective"] == pytest.approx(sum(evaluated) / len(evaluated), abs=1e-6)
+
+
+def test_model_init_gives_each_train_a_fresh_model_set_up_as_trl_sets_it_up(tmp_path):
+    """HF's model_init on GRPOTrainer (raytrain's addition, for sweeps): the trainer builds its model with it; each
+    in-process train() starts from a fresh one, set up again (LoRA from peft_config, beta's reference adapter), so two
+    train() calls end with the same adapter; the callbacks given stay."""
+    import torch
+    from peft import get_peft_model_state_dict
+    from transformers import AutoModelForCausalLM
+
+    import raytrain.trl as rt
+    from examples.sft import build_tokenizer
+    from raytrain import TrainerCallback
+    from tests.hf import grpo_jobs
+    from tests.hf.trl_jobs import lora
+
+    class Steps(TrainerCallback):
+        def __init__(self):
+            self.ends = 0
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self.ends += 1
+
+    tiny = grpo_jobs.save_tiny_model(str(tmp_path / "tiny"))
+    steps = Steps()
+    args = grpo_jobs.config("rt", "grpo", str(tmp_path / "out"), max_steps=1, beta=0.04)
+    trainer = rt.GRPOTrainer(model_init=lambda: AutoModelForCausalLM.from_pretrained(tiny),
+                             reward_funcs=grpo_jobs.Recorder().functions(("length",)), args=args,
+                             train_dataset=grpo_jobs.prompts(), processing_class=build_tokenizer(),
+                             peft_config=lora(), callbacks=[steps])
+    first_model = trainer.model
+    before = {k: v.clone() for k, v in get_peft_model_state_dict(first_model).items()}
+    trainer.train()
+    first = {k: v.clone() for k, v in get_peft_model_state_dict(trainer.model).items()}
+    assert any(not torch.equal(before[k], first[k]) for k in first)  # it trained
+    trainer.train()
+    assert trainer.model is not first_model and trainer.model_init is not None and steps.ends == 2
+    second = get_peft_model_state_dict(trainer.model)
+    assert all(torch.equal(first[k], second[k]) for k in first)  # from a fresh model: the same run again
+
+
+def test_a_trainer_needs_a_model_or_model_init(tmp_path):
+    import raytrain.trl as rt
+    from tests.hf import grpo_jobs
+
+    with pytest.raises(ValueError, match=r"^model: GRPOTrainer needs a model \(or model_init, a function "
+                                         r"returning one\)$"):
+        rt.GRPOTrainer(reward_funcs=len, args=grpo_jobs.config("rt", "grpo", str(tmp_path)),
+                       train_dataset=grpo_jobs.prompts())
