@@ -87,6 +87,7 @@ def test_two_workers_match_one_process_on_the_same_batch_and_completions(two_wor
         torch.testing.assert_close(v, want[k].detach().cpu(), rtol=1e-5, atol=1e-5, msg=k)
 
 
+@pytest.mark.timeout(600)  # as the others on two_workers: conftest's order keeps them together (one worker group)
 def test_generation_under_fsdp2_and_zero3_runs_no_collective(two_workers):
     """Rank 0 generated 6 tokens inside Strategy.full_parameters while rank 1 generated none (no rank waited for
     the other), the unsharded model's tokens."""
