@@ -193,9 +193,11 @@ class Trainer(HFOverridePoints, ExampleScriptMethods, PipelineMethods):
         return output_dir
 
     def hyperparameter_search(self, hp_space=None, compute_objective=None, n_trials: int = 20,
-                              direction: str | list[str] = "minimize", backend: str | None = None, hp_name=None,
+                              direction: str | list[str] | None = None, backend: str | None = None, hp_name=None,
                               **kwargs):
         """Search hyperparameters as HF does (needs model_init); returns a BestRun (a list for several directions).
+        The objective: compute_objective, else `hp_objective` (GRPO / RLOO: the evaluation's mean reward, maximized),
+        else HF's default_compute_objective; minimized unless `direction` or hp_objective says otherwise.
         backend "optuna" (None: HF's default when installed): trials one after another in this process
         (raytrain.sweep.optuna_backend); "ray": Ray Tune trials (raytrain.sweep.search.hyperparameter_search)."""
         from .sweep.optuna_backend import run_hp_search
@@ -430,8 +432,7 @@ class Trainer(HFOverridePoints, ExampleScriptMethods, PipelineMethods):
         """Make this Trainer (a sweep's copy of the user's, subclass and all) one trial's, as if built with
         the trial's args, model and callbacks (HF's _hp_search_setup). The other arguments stay, but for
         model_init (the sweep made `model`) and optimizers (the driver's model's); caches, state are new."""
-        for cache in ("_data_sources", "_model_flops", "_num_params", "_wants_items", "_found_batch_size"):
-            self.__dict__.pop(cache, None)
+        self.forget_caches()
         Trainer.__init__(self, model=model, args=args, data_collator=self.data_collator,
                          train_dataset=self.train_dataset, eval_dataset=self.eval_dataset,
                          processing_class=self.processing_class, compute_loss_func=self.compute_loss_func,
@@ -439,6 +440,15 @@ class Trainer(HFOverridePoints, ExampleScriptMethods, PipelineMethods):
                          optimizer_cls_and_kwargs=self.optimizer_cls_and_kwargs,
                          preprocess_logits_for_metrics=self.preprocess_logits_for_metrics)
         self.trial_name, self.trial_params = trial_name, trial_params
+
+    def forget_caches(self) -> None:
+        """What this Trainer derived from its model, data and arguments (data sources, FLOPs, batch size found)."""
+        for cache in ("_data_sources", "_model_flops", "_num_params", "_wants_items", "_found_batch_size"):
+            self.__dict__.pop(cache, None)
+
+    #: The metric a sweep optimises when given no compute_objective and no metric, and its direction when given
+    #: none; None: HF's default_compute_objective, minimized. TRL's GRPO / RLOO: the evaluation's mean reward.
+    hp_objective: tuple[str, str] | None = None
 
     # ------------------------------------------------------------ hooks the worker calls (worker/protocol.py)
     def get_strategy(self):

@@ -37,9 +37,18 @@ def _post_init(kind: str, own: tuple[str, ...]):
     return __post_init__
 
 
+# GRPO / RLOO: the reward functions by import string, for the CLI (TRL's `trl grpo` takes them as a script argument;
+# a Python script passes reward_funcs= to the trainer, as with trl)
+_REWARD_FUNCS = ("reward_funcs", list[str] | None, dataclasses.field(default=None, metadata={
+    "help": "Reward functions for the CLI, as import strings 'package.module:function' (TRL's signature: "
+            "prompts, completions, completion_ids, the dataset's other columns, trainer_state). raytrain's; "
+            "a Python script passes reward_funcs= to the trainer instead."}))
+
+
 def _config(name: str, kind: str) -> type:
     own = _trl.trl_field_names(kind, _BASE)
-    cls = dataclasses.make_dataclass(name, _trl.trl_fields(kind, _BASE), bases=(TrainingArguments,),
+    extra = [_REWARD_FUNCS] if kind in ("grpo", "rloo") else []
+    cls = dataclasses.make_dataclass(name, _trl.trl_fields(kind, _BASE) + extra, bases=(TrainingArguments,),
                                      namespace={"__post_init__": _post_init(kind, own), "TRL_FIELDS": own,
                                                 "__doc__": f"TRL {_trl.TRL_VERSION}'s {name} on raytrain's "
                                                            "TrainingArguments: TRL's fields, defaults and help."})
@@ -84,19 +93,28 @@ def __getattr__(name: str) -> Any:
 
 
 def config_from_yaml(path: str, overrides: list[str]) -> TrainingArguments | None:
-    """The CLI's TRL config: DPOConfig when the YAML (or --set) names a DPO-only field, SFTConfig when an SFT-only
-    one, else None."""
+    """The CLI's TRL config: GRPOConfig when the YAML (or --set) names a field of GRPO / RLOO alone (RLOOConfig when
+    one of RLOO's own), else DPOConfig when it names a DPO-only field, SFTConfig when an SFT-only one, else None."""
     import yaml
 
     with open(path) as f:
         d = yaml.safe_load(f) or {}
     keys = set(d) | {o.partition("=")[0].split(".")[0].strip() for o in overrides}
+    if keys & (rollout_fields() - set(SFTConfig.TRL_FIELDS) - set(DPOConfig.TRL_FIELDS)):
+        rloo = keys & (set(RLOOConfig.TRL_FIELDS) - set(GRPOConfig.TRL_FIELDS))
+        return (RLOOConfig if rloo else GRPOConfig).from_yaml(path, overrides)
     for cls, other in ((DPOConfig, SFTConfig), (SFTConfig, DPOConfig)):
         if keys & (set(cls.TRL_FIELDS) - set(other.TRL_FIELDS)):
             return cls.from_yaml(path, overrides)
     return None
 
 
+def rollout_fields() -> set[str]:
+    """GRPOConfig's and RLOOConfig's own fields, reward_funcs included."""
+    return set(GRPOConfig.TRL_FIELDS) | set(RLOOConfig.TRL_FIELDS) | {_REWARD_FUNCS[0]}
+
+
 def trainer_for(args: Any) -> type | None:
     """The CLI's trainer for a TRL config (None for other arguments)."""
-    return {SFTConfig: SFTTrainer, DPOConfig: DPOTrainer}.get(type(args))
+    return {SFTConfig: SFTTrainer, DPOConfig: DPOTrainer, GRPOConfig: GRPOTrainer,
+            RLOOConfig: RLOOTrainer}.get(type(args))

@@ -49,6 +49,7 @@ RUN_BY_RAY_TEST = {
     "sweep.py": ("tests/sweep/test_search.py", "n_trials=2, max_steps=20"),
     "llm_workers.sh": ("tests/hf/test_lora_example.py", "8 steps of 8 blocks of 32 bytes"),
     "llm_sweep.sh": ("tests/hf/test_lora_example.py", "--set search.num_samples=2, 8 steps"),
+    "grpo_cli.sh": ("tests/hf/test_grpo_cli.py", "--set max_steps=2, in a subprocess"),  # no Ray: as users run it
 }
 # snippet -> why it is only checked
 CHECKED = {
@@ -61,6 +62,8 @@ CHECKED = {
     "llm_install.sh": "a pip install of the peft extra; the run is llm.sh's, run above",
     "health_checks.sh": "a Ray head of one's own; its settings are cluster.yaml's (test_health_check_snippets)",
     "kuberay_health_checks.yaml": "a KubeRay cluster; its settings are cluster.yaml's (test_health_check_snippets)",
+    "grpo_workers.sh": "2 Ray workers and a sweep: tests/hf/test_grpo_backends_on_ray.py and test_grpo_sweep.py run them",
+    "grpo_sweep.py": "a Ray Tune sweep of 8 trials: tests/hf/test_grpo_sweep.py runs one of 2",
 }
 
 
@@ -286,7 +289,15 @@ def _check_raytrain_run(argv: list[str]) -> None:
                 load_search_spec(os.path.join(ROOT, value))
             i += 1
         i += 1
-    TrainingArguments.from_yaml(os.path.join(ROOT, config), overrides)
+    from raytrain.cli.trl import trl_arguments
+    from raytrain.config.args import ConfigError
+
+    try:
+        TrainingArguments.from_yaml(os.path.join(ROOT, config), overrides)
+    except ConfigError as e:  # as the CLI: a TRL field picks raytrain.trl's config
+        name = str(e).split("'")[1] if str(e).startswith("unknown field '") else None
+        if trl_arguments(os.path.join(ROOT, config), overrides, name) is None:
+            raise
 
 
 def _script_flags(path: str) -> set[str]:

@@ -10,6 +10,7 @@ python benchmarks/distributed.py --parts recovery,elastic --health-checks defaul
 python benchmarks/local_cluster.py --health-checks cluster.yaml,default
 python benchmarks/llm.py --hidden 384 --layers 4 --batch 4 --seq 256 --warmup 3 --steps 12 --rounds 3 --threads 1
 python benchmarks/trl.py --hidden 256 --layers 4 --batch 4 --max-length 512 --warmup 2 --steps 10 --rounds 3
+python benchmarks/trl.py --script grpo --batch 8 --generations 4 --completion-length 32 --steps 20 --rounds 4 --threads 1
 python benchmarks/gpu_train.py --batch 16 --seq 1024 --warmup 10 --steps 40 --rounds 2
 bash benchmarks/gpu.sh --fetch-wheels
 OUT=gpu-results bash benchmarks/gpu.sh

@@ -17,6 +17,7 @@ def build_job(args: TrainingArguments) -> dict[str, Any]:
         raise ConfigError("data.factory: missing; add data: {factory: 'package.module:build_datasets'}")
     model_factory = import_string(args.model.factory, "model.factory")
     data_factory = import_string(args.data.factory, "data.factory")
+    rewards = reward_functions(args.reward_funcs) if hasattr(args, "reward_funcs") else None  # GRPO / RLOO's
     try:
         job: dict[str, Any] = {"model": model_factory(**args.model.kwargs)}
     except TypeError as e:
@@ -41,11 +42,31 @@ def build_job(args: TrainingArguments) -> dict[str, Any]:
     for split in ("train", "eval"):  # a data.collator may take any item; the default one takes dicts
         if not args.data.collator:
             check_items(job[f"{split}_dataset"], f"data.factory: {args.data.factory} returned a {split} dataset")
+    if rewards is not None:
+        job["reward_funcs"] = rewards
     if args.data.collator:
         job["data_collator"] = import_string(args.data.collator, "data.collator")
     if args.data.compute_metrics:
         job["compute_metrics"] = import_string(args.data.compute_metrics, "data.compute_metrics")
     return job
+
+
+def reward_functions(paths: Any) -> list:
+    """GRPOConfig / RLOOConfig's reward_funcs ('package.module:function' each) -> the functions, or one line naming
+    the entry that does not resolve."""
+    if not paths:
+        raise ConfigError("reward_funcs: missing; name at least one reward function, e.g. "
+                          "reward_funcs: ['package.module:function']")
+    funcs = []
+    for i, path in enumerate([paths] if isinstance(paths, str) else paths):
+        field = f"reward_funcs[{i}]"
+        if not isinstance(path, str) or not path.partition(":")[2]:
+            raise ConfigError(f"{field}: expected an import string 'package.module:function', got {path!r}")
+        func = import_string(path, field)
+        if not callable(func):
+            raise ConfigError(f"{field}: {path} is a {type(func).__name__}, not a function")
+        funcs.append(func)
+    return funcs
 
 
 def check_items(dataset, what: str) -> None:

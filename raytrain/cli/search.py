@@ -3,17 +3,19 @@ YAML's keys (for --help), and the run of the sweep from the config's factories."
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Any
 
-from ..config.args import TrainingArguments
+from ..config.args import ConfigError, TrainingArguments
 from ..config.sections import import_string
 
 SEARCH_HELP = """\
 search YAML (--search FILE; each key can be overridden with --set search.KEY=VALUE):
   space                  the hyperparameters: NAME: {uniform|loguniform: [low, high]}, {int|logint: [low, high]},
                          {quniform: [low, high, step]}, {choice: [a, b, ...]}; model.NAME goes to the model factory
-  metric, mode           the objective (e.g. eval_accuracy, max); mode may be a list for several objectives
+  metric, mode           the objective (e.g. eval_accuracy, max); mode may be a list for several objectives;
+                         without metric: HF's (eval_loss, min), GRPO / RLOO's mean reward (eval_reward, max)
   num_samples            trials to run (default 8)
   scheduler              asha (default), hyperband, median, pbt or none; scheduler_kwargs: its arguments
   sampler                tpe (default), random, cmaes or qmc; seed: the sampler's seed
@@ -26,7 +28,7 @@ def run_search_cli(args: TrainingArguments, job: dict, path: str, resume: Any = 
                    spec: dict | None = None) -> int:
     """python -m raytrain.run --config X.yaml --search S.yaml [--set search.KEY=VALUE] [--resume auto|never]"""
     from ..sweep import hyperparameter_search, load_search_spec, space_from_spec
-    from ..trainer import trainer_class
+    from .trl import trainer_for
 
     spec = spec if spec is not None else load_search_spec(path)
     space = space_from_spec(spec["space"])
@@ -37,10 +39,14 @@ def run_search_cli(args: TrainingArguments, job: dict, path: str, resume: Any = 
         return factory(**{**base_kwargs, **kw})
 
     job = {k: v for k, v in job.items() if k != "model"}
-    trainer = trainer_class(args)(args=args, model_init=model_init, **job)
-    mode = spec.get("mode", "min")
+    cls = trainer_for(args)
+    if "model_init" not in inspect.signature(cls.__init__).parameters:
+        raise ConfigError(f"--search: {cls.__name__} takes no model_init (a fresh model per trial); the CLI sweeps "
+                          "raytrain's Trainer, Seq2SeqTrainer, GRPOTrainer and RLOOTrainer")
+    trainer = cls(args=args, model_init=model_init, **job)
+    mode = spec.get("mode")  # None: the trainer's objective's (Trainer.hp_objective), else min
     direction = [("maximize" if m == "max" else "minimize") for m in mode] if isinstance(mode, list) else \
-        ("maximize" if mode == "max" else "minimize")
+        None if mode is None else ("maximize" if mode == "max" else "minimize")
     name = spec.get("name") or os.path.splitext(os.path.basename(path))[0]
     best = hyperparameter_search(trainer, space, n_trials=spec.get("num_samples", 8), direction=direction,
                                  scheduler=spec.get("scheduler", "asha"), scheduler_kwargs=spec.get("scheduler_kwargs"),

@@ -78,6 +78,13 @@ class Strategy:
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return unwrap_model(model)
 
+    @contextlib.contextmanager
+    def full_parameters(self):
+        """Every rank holds the whole parameters inside, and the model's forward runs no collective: for a
+        forward-only pass whose number of calls differs between ranks (generation, each rank stopping at its
+        own EOS). Nothing to do where each rank holds a replica."""
+        yield
+
     # -- the step
     def autocast(self):
         if self.args.bf16:

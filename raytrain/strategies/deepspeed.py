@@ -76,6 +76,23 @@ class DeepSpeedStrategy(TorchDistributedMixin, Strategy):
     def unwrap(self, model):
         return getattr(model, "module", model)
 
+    @contextlib.contextmanager
+    def full_parameters(self):
+        """ZeRO-3: every partition gathered (deepspeed.zero.GatheredParameters) and the engine's fetch / release
+        hooks taken off inside, as TRL's unwrap_model_for_generation does; other stages hold whole parameters."""
+        if self.stage != 3:
+            yield
+            return
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(self.unwrap(self.engine).parameters())):
+            offload = _parameter_offload(self.engine)
+            _remove_hooks(offload)
+            try:
+                yield
+            finally:
+                _add_hooks(offload)
+
     # -- the step
     def backward(self, loss):
         self.engine.backward(loss, scale_wrt_gas=False)
@@ -183,6 +200,35 @@ class DeepSpeedStrategy(TorchDistributedMixin, Strategy):
             self._writer = ThreadPoolExecutor(1, "raytrain-zero-save", initializer=lower_thread_priority)
         files = self._staging.copy(deferred.files)  # one pass: storage shared between files stays shared
         return self._writer.submit(_write_deferred, files, deferred.zipfile, self._staging.ready)
+
+
+def _parameter_offload(engine):
+    optimizer = engine.optimizer
+    return getattr(optimizer, "parameter_offload", optimizer)
+
+
+def _remove_hooks(offload) -> None:
+    """TRL's remove_hooks (trl.models.utils): ZeRO-3's per-module hooks off, and its start-of-forward hook too (its
+    check of the module trace is a collective, which TRL's ranks keep in step with transformers' synced_gpus).
+    DeepSpeed's internals: no public API turns them off and back on."""
+    module = offload.module
+    external = [p for _, p in module.ds_external_parameters()] if hasattr(module, "ds_external_parameters") else []
+    for param in [*module.parameters(recurse=True), *external]:
+        param.ds_active_sub_modules.clear()
+    for hook in [*offload.forward_hooks, *offload.backward_hooks, offload.fwd_pre_hook]:
+        hook.remove()
+    offload.forward_hooks, offload.backward_hooks = [], []
+
+
+def _add_hooks(offload) -> None:
+    """TRL's add_hooks: the hooks back (the start-of-forward one first, as DeepSpeed's setup_zero_stage3_hooks
+    registers it), the prefetch trace (recorded on training's module order) invalidated."""
+    coordinator = getattr(offload, "param_coordinator", None)
+    if coordinator is not None and not coordinator.is_invalid_trace():
+        coordinator._invalidate_trace()
+    offload.fwd_pre_hook = offload.module.register_forward_pre_hook(
+        lambda module, *args: offload.get_param_coordinator().reset_step())
+    offload._register_deepspeed_module(offload.module)
 
 
 @functools.cache

@@ -71,7 +71,8 @@ class FSDPStrategy(TorchDistributedMixin, Strategy):
 
     # -- set-up
     def setup(self, model, optimizer_factory, optimizer=None):
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+        from torch.distributed.fsdp import (CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard,
+                                            register_fsdp_forward_method)
 
         if optimizer is not None:
             raise ValueError("distributed.strategy=fsdp: a ready-made optimizer refers to the unsharded "
@@ -107,6 +108,9 @@ class FSDPStrategy(TorchDistributedMixin, Strategy):
                 fully_shard(block, **kwargs)
             for root in roots:
                 fully_shard(root, **kwargs)
+            if self.pipeline is None and callable(getattr(model, "generate", None)):
+                # generate() enters at the root, as forward does (a PEFT model's reaches its blocks without it)
+                register_fsdp_forward_method(model, "generate")
         self.optimizer = optimizer_factory(model)
         if self.dims.tp > 1:
             tensor_parallel.unfuse_mixed_groups(self.optimizer)
@@ -171,6 +175,28 @@ class FSDPStrategy(TorchDistributedMixin, Strategy):
 
     def unwrap(self, model):
         return getattr(model, "_orig_mod", model)
+
+    @contextlib.contextmanager
+    def full_parameters(self):
+        """FSDP2's unshard: each FSDP module's parameters all-gathered once (in the same order on every rank) and
+        kept through every forward inside (no reshard after forward), resharded at the end."""
+        from torch.distributed.fsdp import FSDPModule
+
+        root = self.unwrap(self.model)
+        if self.dims.dp == 1 or not isinstance(root, FSDPModule):
+            yield
+            return
+        root.set_reshard_after_forward(False)
+        modules = [m for m in root.modules() if isinstance(m, FSDPModule)]
+        for module in modules:
+            module.unshard()
+        try:
+            yield
+        finally:
+            for module in modules:
+                module.reshard()
+            root.set_reshard_after_forward(bool(self.options.get("reshard_after_forward", self.dims.pp == 1)))
+            root.set_reshard_after_forward(False, recurse=False)  # torch's rule for the root (gathered for backward)
 
     # -- the step
     def no_sync(self):

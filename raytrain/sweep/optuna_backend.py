@@ -27,7 +27,7 @@ from ..config.args import TrainingArguments
 from ..callbacks import TrainerCallback
 from .search import BestRun, hyperparameter_search as ray_search, user_callbacks
 from .space import (FunctionSpace, SearchSpace, default_compute_objective, default_hp_space_optuna,
-    function_space, space_from_spec)
+    function_space, objective_defaults, space_from_spec)
 
 logger = logging.getLogger(__name__)
 
@@ -64,11 +64,15 @@ def choose_backend(backend, hp_space, kwargs: dict[str, Any]) -> str:
 
 
 def run_hp_search(trainer, hp_space=None, compute_objective: Callable | None = None, n_trials: int = 20,
-                  direction: str | list[str] = "minimize", backend=None, hp_name: Callable | None = None, **kwargs):
+                  direction: str | list[str] | None = None, backend=None, hp_name: Callable | None = None, **kwargs):
     """Trainer.hyperparameter_search: the chosen backend's search."""
     if choose_backend(backend, hp_space, kwargs) == "ray":
         return ray_search(trainer, hp_space, compute_objective, n_trials, direction, **kwargs)
     return run_hp_search_optuna(trainer, hp_space, compute_objective, n_trials, direction, hp_name, **kwargs)
+
+
+def _metric(name: str) -> Callable:
+    return lambda metrics: metrics[name]
 
 
 def _optuna_space(hp_space) -> Callable:
@@ -110,12 +114,15 @@ def _check(trainer, directions: list[str], kwargs: dict[str, Any]) -> None:
 
 
 def run_hp_search_optuna(trainer, hp_space=None, compute_objective: Callable | None = None, n_trials: int = 20,
-                         direction: str | list[str] = "minimize", hp_name: Callable | None = None, **kwargs):
+                         direction: str | list[str] | None = None, hp_name: Callable | None = None, **kwargs):
     """HF's run_hp_search_optuna on raytrain: a BestRun (for several directions, the best trials' list),
     hyperparameters as Optuna's trial.params, run_summary the study's trials_dataframe(), checkpoint the
     best trial's checkpoint saved with its objective."""
     import optuna
 
+    metric, direction = objective_defaults(trainer, None, direction, compute_objective)
+    if metric is not None:  # the trainer's own objective (GRPO / RLOO: eval_reward)
+        compute_objective = _metric(metric)
     several = isinstance(direction, (list, tuple))
     directions = list(direction) if several else [direction]
     _check(trainer, directions, kwargs)

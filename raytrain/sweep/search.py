@@ -31,7 +31,7 @@ from typing import Callable
 from ..config.args import ConfigError, TrainingArguments
 from ..callbacks import DefaultFlowCallback, PrinterCallback, ProgressCallback
 from ..hf.objects import best_run_base
-from .space import SearchSpace, default_compute_objective, load_search_spec, space_from_spec
+from .space import SearchSpace, default_compute_objective, load_search_spec, objective_defaults, space_from_spec
 
 logger = logging.getLogger(__name__)
 
@@ -234,7 +234,7 @@ def _resources(args: TrainingArguments, resources_per_trial: dict | None, max_co
 
 
 def hyperparameter_search(trainer, hp_space=None, compute_objective: Callable | None = None, n_trials: int = 20,
-                          direction: str | list[str] = "minimize", scheduler: str | None = None,
+                          direction: str | list[str] | None = None, scheduler: str | None = None,
                           scheduler_kwargs: dict | None = None, max_concurrent_trials: int | None = None,
                           seed: int | None = None, metric: str | None = None, resources_per_trial: dict | None = None,
                           storage_path: str | None = None, name: str | None = None, sampler: str = "tpe",
@@ -242,7 +242,9 @@ def hyperparameter_search(trainer, hp_space=None, compute_objective: Callable | 
                           scope: str = "last"):
     """Search hyperparameters of `trainer` (built with model_init) on Ray Tune. Returns a BestRun, or for
     several directions the Pareto front as a list of BestRun. A trial's objective is its last evaluation's
-    (HF's default; scope="best": its best). No scheduler unless one is named (HF's default). resume=True
+    (HF's default; scope="best": its best), minimized unless `direction` says otherwise; a trainer naming its own
+    objective (Trainer.hp_objective: GRPO / RLOO's mean reward, maximized) has it when neither metric nor
+    compute_objective is given. No scheduler unless one is named (HF's default). resume=True
     continues the sweep of the same name (an error if there is none), "auto" continues it if it exists;
     False refuses to overwrite one."""
     if scope not in ("last", "best"):
@@ -255,6 +257,7 @@ def hyperparameter_search(trainer, hp_space=None, compute_objective: Callable | 
     from .report import StatusLines
     from .trial import join_uri, pack_spec, pack_trainer, run_trial, trial_dirname
 
+    metric, direction = objective_defaults(trainer, metric, direction, compute_objective)
     directions = list(direction) if isinstance(direction, (list, tuple)) else [direction]
     space = _space(hp_space)
     _check(trainer, space, directions, scheduler, sampler)

@@ -165,6 +165,16 @@ def default_compute_objective(metrics: dict[str, float]) -> float:
     return loss if not metrics else sum(metrics.values())
 
 
+def objective_defaults(trainer, metric: str | None, direction, compute_objective=None) -> tuple[str | None, Any]:
+    """(metric, direction) of a sweep: a trainer's own objective (Trainer.hp_objective; TRL's GRPO / RLOO: eval_reward,
+    the mean reward of the evaluation's completions, maximized) when the sweep names neither metric nor
+    compute_objective, else HF's (default_compute_objective or the metric given), minimized unless told."""
+    own = getattr(trainer, "hp_objective", None)
+    if own is not None and metric is None and compute_objective is None:
+        return own[0], own[1] if direction is None else direction
+    return metric, "minimize" if direction is None else direction
+
+
 def function_space(hp_space, empty_ok: bool = False) -> FunctionSpace | None:
     """hp_space as a FunctionSpace when it is HF's Optuna style (it suggests on a probe trial of a
     throw-away in-memory study); None when it suggests nothing (a function returning a space).

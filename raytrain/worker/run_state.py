@@ -7,7 +7,8 @@ A checkpoint, piece by piece (file: what it holds; who writes it):
     scheduler.pt, scaler.pt              the learning-rate schedule, fp16's loss scale (rank 0)
     trainer_state.json                   TrainerState, the callbacks' states and TrainerControl (rank 0)
     data_state.json                      the data position and the order's identity (rank 0)
-    loop_state.json                      the loop's accumulators: unlogged loss, grad norm ... (rank 0)
+    loop_state.json                      the loop's accumulators: unlogged loss (and each rank's share), grad
+                                         norm ... (rank 0)
     rng_state.pth | rng_state_{rank}.pth Python, NumPy, torch CPU and CUDA generators (every rank)
     trainer_rank_state[_{rank}].pth      what the Trainer keeps between steps (rank_state(): GRPO's rollout
                                          buffer and its position), when it keeps anything (every rank)
@@ -120,9 +121,9 @@ def load_data_state(run: RunState, saved: dict) -> None:
 # ---------------------------------------------------------------- loop_state.json
 
 
-def loop_state(run: RunState, pending_loss: float) -> dict:
-    """The loop's accumulators; `pending_loss`: the unlogged loss summed over ranks."""
-    return {"tr_loss": pending_loss, "total_loss": run.total_loss,
+def loop_state(run: RunState, pending_loss: float, shares: list[float] | None = None) -> dict:
+    """The loop's accumulators; `pending_loss`: the unlogged loss summed over ranks, `shares`: each rank's."""
+    return {"tr_loss": pending_loss, "tr_loss_by_rank": shares, "total_loss": run.total_loss,
             "last_logged": run.last_logged, "nonfinite": list(run.nonfinite),
             "skipped_steps": run.skipped_steps,
             "grad_norm": None if run.grad_norm is None else float(run.grad_norm),
@@ -131,9 +132,14 @@ def loop_state(run: RunState, pending_loss: float) -> dict:
 
 def load_loop_state(run: RunState, saved: dict) -> None:
     strategy = run.strategy
-    # The saved sum goes back on rank 0 only: the next log sums over ranks again, whatever their number.
-    run.tr_loss = torch.tensor(saved["tr_loss"] if strategy.is_main else 0.0, dtype=run.tr_loss.dtype,
-                               device=strategy.device)
+    # Each rank's share back on the same number of ranks (the next log sums them in the same order: bit-exact);
+    # else the saved sum on rank 0: the next log sums over ranks again, whatever their number.
+    shares = saved.get("tr_loss_by_rank")
+    if shares is not None and len(shares) == strategy.world_size:
+        mine = shares[strategy.rank]
+    else:
+        mine = saved["tr_loss"] if strategy.is_main else 0.0
+    run.tr_loss = torch.tensor(mine, dtype=run.tr_loss.dtype, device=strategy.device)
     run.total_loss, run.last_logged = saved["total_loss"], saved["last_logged"]
     run.nonfinite, run.skipped_steps = list(saved["nonfinite"]), saved["skipped_steps"]
     if saved.get("grad_norm") is not None:  # logged again by an epoch-end log right after resuming
@@ -212,8 +218,9 @@ def save(run: RunState, epoch_finished: bool) -> str | None:
                                      sharded_writer=strategy.save_sharded if strategy.has_sharded_state else None,
                                      extra_files=extra_files)
     weights = strategy.model_state_dict(trainable_only=peft is not None)  # a collective for sharded backends
-    # Each rank holds its share of the unlogged loss; the checkpoint keeps their sum (a collective).
+    # Each rank holds its share of the unlogged loss; the checkpoint keeps their sum and the shares (collectives).
     pending_loss = strategy.reduce_loss(run.tr_loss.detach().clone()).item()
+    shares = strategy.all_gather_object(run.tr_loss.item()) if strategy.world_size > 1 else None
     if strategy.is_main:
         payload.weights = weights if peft is None else None
         if not args.save_only_model:
@@ -227,7 +234,7 @@ def save(run: RunState, epoch_finished: bool) -> str | None:
             ckpt.TRAINER_STATE: saved_state.to_json_string(),
             "training_args.json": args.to_dict(),
             DATA_STATE: data_state(run, epoch_finished),
-            LOOP_STATE: loop_state(run, pending_loss),
+            LOOP_STATE: loop_state(run, pending_loss, shares),
         }
     best = state.best_model_checkpoint  # as of this save: a background rotation must not see a later one
     # A background distributed save reports the previous checkpoint to Ray while this one is written

@@ -24,18 +24,19 @@ class GRPOMethods(RolloutMethods):
     _kind = "GRPO"
     _tag_names = ["trl", "grpo"]
 
-    def __init__(self, model: Any, reward_funcs: Any = None, args: Any = None, train_dataset: Any = None,
+    def __init__(self, model: Any = None, reward_funcs: Any = None, args: Any = None, train_dataset: Any = None,
                  eval_dataset: Any = None, processing_class: Any = None, reward_processing_classes: Any = None,
                  callbacks: list | None = None, optimizers: tuple = (None, None), quantization_config: Any = None,
                  peft_config: Any = None, tools: list[Callable] | None = None, rollout_func: Callable | None = None,
-                 environment_factory: Any = None):
+                 environment_factory: Any = None, *, model_init: Callable | None = None):
         for name, value in (("tools", tools), ("rollout_func", rollout_func),
                             ("environment_factory", environment_factory)):
             if value:
                 raise ValueError(f"{name}: not supported by raytrain.trl's GRPOTrainer (tool calling, custom rollouts "
                                  "and environments are not run; completions come from the model's generate())")
         self._setup_rollout(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
-                            reward_processing_classes, callbacks, optimizers, quantization_config, peft_config)
+                            reward_processing_classes, callbacks, optimizers, quantization_config, peft_config,
+                            model_init)
 
     def _set_algorithm(self, args: Any) -> None:
         """GRPO's loss and advantage settings, with TRL's warnings."""

@@ -5,7 +5,7 @@ machinery (RLOO in TRL 1.16 is GRPO's with another advantage) is rollout.py."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from trl import RLOOTrainer as _TRL
 
@@ -20,12 +20,13 @@ class RLOOMethods(RolloutMethods):
     _kind = "RLOO"
     _tag_names = ["trl", "rloo"]
 
-    def __init__(self, model: Any, reward_funcs: Any, args: Any = None, train_dataset: Any = None,
+    def __init__(self, model: Any = None, reward_funcs: Any = None, args: Any = None, train_dataset: Any = None,
                  eval_dataset: Any = None, processing_class: Any = None, reward_processing_classes: Any = None,
                  callbacks: list | None = None, optimizers: tuple = (None, None), quantization_config: Any = None,
-                 peft_config: Any = None):
+                 peft_config: Any = None, *, model_init: Callable | None = None):
         self._setup_rollout(model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
-                            reward_processing_classes, callbacks, optimizers, quantization_config, peft_config)
+                            reward_processing_classes, callbacks, optimizers, quantization_config, peft_config,
+                            model_init)
 
     def _set_algorithm(self, args: Any) -> None:
         self.normalize_advantages, self.reward_clip_range = args.normalize_advantages, args.reward_clip_range

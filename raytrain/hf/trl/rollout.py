@@ -59,7 +59,18 @@ class RolloutMethods(RewardMethods, TRLMethods):
     # ------------------------------------------------------------ set-up (TRL's __init__, in its order)
     def _setup_rollout(self, model: Any, reward_funcs: Any, args: Any, train_dataset: Any, eval_dataset: Any,
                        processing_class: Any, reward_processing_classes: Any, callbacks: list | None,
-                       optimizers: tuple, quantization_config: Any, peft_config: Any) -> None:
+                       optimizers: tuple, quantization_config: Any, peft_config: Any,
+                       model_init: Callable | None = None) -> None:
+        """TRL's __init__; `model_init` (HF's, raytrain's addition for sweeps): the model when `model` is None, and
+        a fresh one per trial, set up here again (rebuild)."""
+        self._inputs = {"reward_funcs": reward_funcs, "train_dataset": train_dataset, "eval_dataset": eval_dataset,
+                        "processing_class": processing_class, "reward_processing_classes": reward_processing_classes,
+                        "quantization_config": quantization_config, "peft_config": peft_config}
+        if model is None and model_init is None:
+            raise ValueError(f"model: {self._kind}Trainer needs a model (or model_init, a function returning one)")
+        if model is None:
+            self.model_init = model_init
+            model = super().call_model_init()  # the Trainer's: model_init(), or model_init(None) as HF calls it
         args = as_config(self.config_class, args, model, self._kind)
         self._refuse(args, train_dataset, eval_dataset)
         set_seed(args.seed)  # as TRL: before the model and PEFT's random adapter weights
@@ -144,6 +155,29 @@ class RolloutMethods(RewardMethods, TRLMethods):
         self.model.add_model_tags(self._tag_names)
         if self.accelerator.is_main_process and self.log_completions and self._kind == "GRPO":
             os.makedirs(os.path.join(args.output_dir, "completions"), exist_ok=True)
+        self.model_init = model_init
+
+    # ------------------------------------------------------------ sweeps: a fresh model set up as TRL's __init__ does
+    hp_objective = ("eval_reward", "maximize")  # a sweep's default: the mean reward of the evaluation's completions
+
+    def _rebuild(self, args: Any, model: Any, callbacks: list | None = None) -> None:
+        self.forget_caches()
+        self._setup_rollout(model, args=args, callbacks=callbacks, optimizers=(None, None), **self._inputs)
+
+    def hp_search_setup(self, args: Any, model: Any, callbacks: list | None = None, trial_name: str | None = None,
+                        trial_params: dict | None = None) -> None:
+        """A sweep trial's trainer: TRL's whole set-up again on the trial's model and arguments (beta decides the
+        reference model, num_generations the batch arithmetic), with this trainer's other arguments."""
+        self._rebuild(args, model, callbacks)
+        self.trial_name, self.trial_params = trial_name, trial_params
+
+    def call_model_init(self, trial: Any = None) -> torch.nn.Module:
+        """HF's fresh model for each train() of a trainer built with model_init, set up as TRL's __init__ sets up
+        its model (PEFT, the reference, the fused head); this trainer's callbacks kept."""
+        model, handler, model_init = super().call_model_init(trial), self.callback_handler, self.model_init
+        self._rebuild(self.args, model)
+        self.callback_handler, self.model_init = handler, model_init
+        return self.model
 
     def _refuse(self, args: Any, train_dataset: Any, eval_dataset: Any) -> None:
         """One line for each of TRL's GRPO / RLOO features that raytrain.trl does not run, before any work."""
@@ -285,10 +319,17 @@ class RolloutMethods(RewardMethods, TRLMethods):
     @contextlib.contextmanager
     def _generation_model(self) -> Iterator[torch.nn.Module]:
         """The module generate() runs on (TRL's unwrap_model_for_generation): the backend's wrapper removed,
-        gradient checkpointing off. A backend that shards parameters gathers them here."""
+        gradient checkpointing off, a sharding backend's parameters whole (Strategy.full_parameters: FSDP2 unshards,
+        ZeRO-3 gathers unless ds3_gather_for_generation is false, as in TRL)."""
         model = unwrap_model(self.model_wrapped if self.model_wrapped is not None else self.model)
-        with disable_gradient_checkpointing(model, self.args.gradient_checkpointing_kwargs):
+        whole = self._whole_for_generation()
+        gathered = self.get_strategy().full_parameters() if whole else contextlib.nullcontext()
+        with gathered, disable_gradient_checkpointing(model, self.args.gradient_checkpointing_kwargs):
             yield model
+
+    def _whole_for_generation(self) -> bool:
+        strategy = self.get_strategy()
+        return strategy.model is not None and (self.args.ds3_gather_for_generation or strategy.name != "deepspeed")
 
     def _sample(self, prompt_ids: list[list[int]]) -> list[list[int]]:
         """TRL's transformers path: prompts left-padded, sampled with the run's GenerationConfig (torch's RNG),
@@ -299,8 +340,11 @@ class RolloutMethods(RewardMethods, TRLMethods):
         mask = pad([torch.ones_like(t) for t in tensors], padding_value=0, padding_side="left",
                    pad_to_multiple_of=multiple)
         inputs = self._to_device({"input_ids": ids, "attention_mask": mask})
+        # whole parameters on each rank: no rank waits for another's forward passes (transformers would keep FSDP
+        # ranks in step); ZeRO-3 without gathering: each forward gathers its layers, the ranks kept in step (TRL's)
+        synced = not self._whole_for_generation() and self.accelerator.num_processes > 1
         with self._generation_model() as model, torch.no_grad(), self.accelerator.autocast():
-            out = model.generate(**inputs, generation_config=self.generation_config)
+            out = model.generate(**inputs, generation_config=self.generation_config, synced_gpus=synced)
         completion_ids = out[:, inputs["input_ids"].size(1):]
         is_eos = torch.isin(completion_ids, torch.tensor(self.eos_token_ids, device=completion_ids.device))
         eos_idx = torch.full((is_eos.size(0),), is_eos.size(1), dtype=torch.long, device=completion_ids.device)
