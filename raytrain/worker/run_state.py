@@ -123,7 +123,8 @@ def load_data_state(run: RunState, saved: dict) -> None:
 
 def loop_state(run: RunState, pending_loss: float, shares: list[float] | None = None) -> dict:
     """The loop's accumulators; `pending_loss`: the unlogged loss summed over ranks, `shares`: each rank's."""
-    return {"tr_loss": pending_loss, "tr_loss_by_rank": shares, "total_loss": run.total_loss,
+    return {"tr_loss": pending_loss, "tr_loss_by_rank": shares, "tr_loss_layout": run.strategy.layout,
+            "total_loss": run.total_loss,
             "last_logged": run.last_logged, "nonfinite": list(run.nonfinite),
             "skipped_steps": run.skipped_steps,
             "grad_norm": None if run.grad_norm is None else float(run.grad_norm),
@@ -132,10 +133,11 @@ def loop_state(run: RunState, pending_loss: float, shares: list[float] | None = 
 
 def load_loop_state(run: RunState, saved: dict) -> None:
     strategy = run.strategy
-    # Each rank's share back on the same number of ranks (the next log sums them in the same order: bit-exact);
-    # else the saved sum on rank 0: the next log sums over ranks again, whatever their number.
+    # Each rank's share back on the same ranks and layout (the next log sums them in the same order: bit-exact);
+    # else the saved sum on rank 0: the next log sums over ranks again, whatever their number and layout (under
+    # TP or PP a log sums over some ranks only, so shares on another layout could count twice or not at all).
     shares = saved.get("tr_loss_by_rank")
-    if shares is not None and len(shares) == strategy.world_size:
+    if shares is not None and len(shares) == strategy.world_size and saved.get("tr_loss_layout") == strategy.layout:
         mine = shares[strategy.rank]
     else:
         mine = saved["tr_loss"] if strategy.is_main else 0.0

@@ -243,7 +243,8 @@ def test_every_loop_field_is_saved_or_deliberately_not(tmp_path):
                "tokens_pending"}  # flushed into TrainerState before every save
     make_trainer(tmp_path, max_steps=1).train()
     saved = json.load(open(tmp_path / "checkpoint-1" / "loop_state.json"))
-    assert {f.name for f in dataclasses.fields(RunState)} - rebuilt == set(saved) - {"tr_loss_by_rank"}  # tr_loss's
+    # tr_loss's shares and the layout they were held on
+    assert {f.name for f in dataclasses.fields(RunState)} - rebuilt == set(saved) - {"tr_loss_by_rank", "tr_loss_layout"}
     assert saved["tr_loss_by_rank"] is None  # one process: tr_loss is its only share
 
 
@@ -266,3 +267,23 @@ def test_loss_scaler_state_is_saved_and_restored(tmp_path):
     assert ref.get_strategy().scaler.get_scale() == 2.0**12  # grew 4 times: the state did move
     assert_same_weights(ref, resumed)
     assert logged(resumed) == logged(ref)
+
+
+def test_unlogged_loss_shares_come_back_only_on_the_layout_that_held_them():
+    """Each rank's share of the unlogged loss returns to it on the same layout (bit-exact logs); on another layout of
+    the same world size (dp4 -> pp2 x tp2, whose log sums a TP index's ranks only) the sum goes to rank 0."""
+    from types import SimpleNamespace
+
+    from raytrain.worker.run_state import load_loop_state
+
+    saved = {"tr_loss": 10.0, "tr_loss_by_rank": [1.0, 2.0, 3.0, 4.0], "tr_loss_layout": {"dp_shard_size": 4},
+             "total_loss": 0.0, "last_logged": 0, "nonfinite": [], "skipped_steps": 0}
+
+    def restored(layout: dict, rank: int) -> float:
+        strategy = SimpleNamespace(world_size=4, rank=rank, is_main=rank == 0, layout=layout, device="cpu")
+        run = SimpleNamespace(strategy=strategy, tr_loss=torch.tensor(0.0), last_lr=None)
+        load_loop_state(run, saved)
+        return float(run.tr_loss)
+
+    assert [restored({"dp_shard_size": 4}, r) for r in range(4)] == [1.0, 2.0, 3.0, 4.0]
+    assert [restored({"pp_size": 2, "tp_size": 2}, r) for r in range(4)] == [10.0, 0.0, 0.0, 0.0]
