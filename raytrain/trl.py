@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from .config.args import TrainingArguments
+from .config.args import ConfigError, TrainingArguments
 from .hf.trl import config as _trl
 from .hf.trl.dpo import DPOMethods
 from .hf.trl.grpo import GRPOMethods
@@ -27,13 +27,19 @@ def _post_init(kind: str, own: tuple[str, ...]):
     settle = _trl.settle_grpo if kind in ("grpo", "rloo") else None
 
     def __post_init__(self) -> None:
-        if self.bf16 is None:  # TRL's default: bf16 unless fp16 (autocast on the CPU too)
-            object.__setattr__(self, "bf16", not self.fp16)
-        normalize(self)  # first: deprecated names (bfd-requeue) become current ones
-        _trl.check_choices(self, own)
-        TrainingArguments.__post_init__(self)
-        if settle is not None:  # after: it needs the checked batch sizes and the world size
-            settle(self)
+        try:
+            if self.bf16 is None:  # TRL's default: bf16 unless fp16 (autocast on the CPU too)
+                object.__setattr__(self, "bf16", not self.fp16)
+            normalize(self)  # first: deprecated names (bfd-requeue) become current ones
+            _trl.check_choices(self, own)
+            TrainingArguments.__post_init__(self)
+            if settle is not None:  # after: it needs the checked batch sizes and the world size
+                settle(self)
+                _trl.refuse_config(self, kind.upper())
+        except ConfigError:
+            raise
+        except ValueError as e:  # TRL's checks are configuration errors too (the CLI's exit 2)
+            raise ConfigError(str(e)) from None
     return __post_init__
 
 

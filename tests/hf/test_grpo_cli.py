@@ -78,6 +78,24 @@ def test_a_reward_function_that_does_not_resolve_is_one_line_exit_2(tmp_path, ca
     assert not (tmp_path / "o" / "checkpoint-1").exists()
 
 
+@pytest.mark.parametrize("setting, message", [
+    ("use_vllm=true", "use_vllm: not supported by raytrain.trl's GRPOTrainer (vLLM generation is not run; "
+                      "generation uses transformers' generate())"),
+    ("loss_type=ppo", "loss_type: 'ppo' is not one of 'grpo', 'bnpo', 'dr_grpo', 'dapo', 'luspo', 'cispo', 'sapo', "
+                      "'vespo'"),
+    ("scale_rewards=all", "scale_rewards: 'all' is not one of 'group', 'batch', 'none'"),
+])
+def test_a_grpo_setting_not_run_is_a_configuration_error_before_the_model_loads(tmp_path, capsys, setting, message):
+    """The config refuses it (exit 2, one line), before any factory runs: no output_dir, no log."""
+    from raytrain.run import main
+
+    code = main(["--config", EXAMPLE, "--set", f"output_dir={tmp_path / 'o'}", "--set", setting])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1, err
+    assert not (tmp_path / "o").exists()
+
+
 def test_the_cli_sweep_of_examples_grpo_yaml_maximizes_the_mean_reward(tmp_path, monkeypatch):
     """--search search_spaces/grpo.yaml (no metric, no mode): a GRPOTrainer built with model_init and the YAML's
     reward functions, swept on GRPO's own objective, eval_reward, maximized. (tests/hf/test_grpo_sweep.py runs such

@@ -146,3 +146,33 @@ def settle_grpo(args: Any) -> None:
     lo, hi = getattr(args, "vllm_importance_sampling_clip_min", None), getattr(args, "vllm_importance_sampling_clip_max", None)
     if lo is not None and hi is not None and lo >= hi:
         raise ValueError(f"vllm_importance_sampling_clip_min: {lo} is not below vllm_importance_sampling_clip_max ({hi})")
+
+
+_GRPO_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
+
+
+def refuse_config(args: Any, kind: str) -> None:
+    """One line for each of TRL's GRPO / RLOO settings that raytrain.trl does not run (`kind`: GRPO or RLOO): checked
+    by the config itself, so a CLI run stops before the model loads, and again by the trainer."""
+    why = {"use_vllm": "vLLM generation is not run; generation uses transformers' generate()",
+           "use_transformers_continuous_batching": "continuous batching is not run; generation uses generate()",
+           "cast_lm_head_to_fp32": "the fp32 LM head is not wired",
+           "sync_ref_model": "the reference model is not checkpointed, so a resumed run would not continue the "
+                             "same run",
+           "log_completions_hub_repo": "completions are written to output_dir/completions, not pushed"}
+    for name, reason in why.items():
+        if getattr(args, name, None):
+            raise ValueError(f"{name}: not supported by raytrain.trl's {kind}Trainer ({reason})")
+    if args.model_init_kwargs is not None and "device_map" in args.model_init_kwargs:
+        raise ValueError("model_init_kwargs.device_map: not supported; raytrain places the model on each worker")
+    if args.include_num_input_tokens_seen not in ("no", False):
+        raise ValueError(f"include_num_input_tokens_seen: {kind} counts prompt and completion tokens itself "
+                         "(the num_tokens metric); leave it 'no'")
+    if (args.parallelism_config or {}).get("tp_size", 1) > 1:
+        raise ValueError(f"parallelism_config.tp_size: tensor parallelism is not supported by raytrain.trl's "
+                         f"{kind}Trainer (generation runs on whole parameters)")
+    if kind == "GRPO":
+        for name, choices in (("loss_type", _GRPO_LOSS_TYPES), ("importance_sampling_level", ("token", "sequence")),
+                              ("scale_rewards", ("group", "batch", "none"))):
+            if getattr(args, name) not in choices:
+                raise ValueError(f"{name}: {getattr(args, name)!r} is not one of {', '.join(map(repr, choices))}")

@@ -13,9 +13,6 @@ from .rollout import RolloutMethods, rank_collectives
 
 logger = logging.getLogger(__name__)
 
-_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo", "vespo")
-
-
 class GRPOMethods(RolloutMethods):
     """TRL 1.16's GRPOTrainer arguments and behaviour; `config_class` (the facade's GRPOConfig) converts plain args."""
 
@@ -39,14 +36,7 @@ class GRPOMethods(RolloutMethods):
                             model_init)
 
     def _set_algorithm(self, args: Any) -> None:
-        """GRPO's loss and advantage settings, with TRL's warnings."""
-        if args.loss_type not in _LOSS_TYPES:
-            raise ValueError(f"loss_type: {args.loss_type!r} is not one of {', '.join(map(repr, _LOSS_TYPES))}")
-        if args.importance_sampling_level not in ("token", "sequence"):
-            raise ValueError(f"importance_sampling_level: {args.importance_sampling_level!r} is not one of 'token', "
-                             "'sequence'")
-        if args.scale_rewards not in ("group", "batch", "none"):
-            raise ValueError(f"scale_rewards: {args.scale_rewards!r} is not one of 'group', 'batch', 'none'")
+        """GRPO's loss and advantage settings (their values checked by the config), with TRL's warnings."""
         self.loss_type, self.multi_objective_aggregation = args.loss_type, args.multi_objective_aggregation
         self.scale_rewards, self.importance_sampling_level = args.scale_rewards, args.importance_sampling_level
         self.off_policy_mask_threshold = args.off_policy_mask_threshold

@@ -27,6 +27,7 @@ from trl.trainer.utils import (add_fused_lm_head, create_model_from_path, disabl
 from ...strategies.base import unwrap_model
 from ..accelerator import Accelerator
 from .common import TRLMethods, as_config, setup_peft
+from .config import refuse_config
 from .rewards import RewardMethods
 
 logger = logging.getLogger(__name__)
@@ -181,23 +182,7 @@ class RolloutMethods(RewardMethods, TRLMethods):
 
     def _refuse(self, args: Any, train_dataset: Any, eval_dataset: Any) -> None:
         """One line for each of TRL's GRPO / RLOO features that raytrain.trl does not run, before any work."""
-        why = {"use_vllm": "vLLM generation is not run; generation uses transformers' generate()",
-               "use_transformers_continuous_batching": "continuous batching is not run; generation uses generate()",
-               "cast_lm_head_to_fp32": "the fp32 LM head is not wired",
-               "sync_ref_model": "the reference model is not checkpointed, so a resumed run would not continue the "
-                                 "same run",
-               "log_completions_hub_repo": "completions are written to output_dir/completions, not pushed"}
-        for name, reason in why.items():
-            if getattr(args, name, None):
-                raise ValueError(f"{name}: not supported by raytrain.trl's {self._kind}Trainer ({reason})")
-        if args.model_init_kwargs is not None and "device_map" in args.model_init_kwargs:
-            raise ValueError("model_init_kwargs.device_map: not supported; raytrain places the model on each worker")
-        if args.include_num_input_tokens_seen not in ("no", False):
-            raise ValueError(f"include_num_input_tokens_seen: {self._kind} counts prompt and completion tokens itself "
-                             "(the num_tokens metric); leave it 'no'")
-        if (args.parallelism_config or {}).get("tp_size", 1) > 1:
-            raise ValueError(f"parallelism_config.tp_size: tensor parallelism is not supported by raytrain.trl's "
-                             f"{self._kind}Trainer (generation runs on whole parameters)")
+        refuse_config(args, self._kind)
         if train_dataset is None:
             raise ValueError("train_dataset is required")
         for name, data in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
