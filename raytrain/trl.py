@@ -36,6 +36,10 @@ def _post_init(kind: str, own: tuple[str, ...]):
             if settle is not None:  # after: it needs the checked batch sizes and the world size
                 settle(self)
                 _trl.refuse_config(self, kind.upper())
+            if (self.parallelism_config or {}).get("pp_size", 1) > 1:
+                raise ConfigError(f"parallelism_config.pp_size: pipeline parallelism is not supported by "
+                                  f"raytrain.trl's {kind.upper()}Trainer (TRL's loss needs the whole model's outputs on one rank); "
+                                  "set pp_size 1 (FSDP2 or ZeRO-3 shard the model instead)")
         except ConfigError:
             raise
         except ValueError as e:  # TRL's checks are configuration errors too (the CLI's exit 2)

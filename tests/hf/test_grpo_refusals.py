@@ -33,6 +33,9 @@ def _one_line(error: BaseException, pattern: str) -> None:
     (dict(include_num_input_tokens_seen="all"), r"^include_num_input_tokens_seen: (GRPO|RLOO) counts"),
     (dict(parallelism_config={"tp_size": 2}, scaling={"num_workers": 2}, distributed={"strategy": "fsdp"}),
      r"^parallelism_config.tp_size: tensor parallelism is not supported"),
+    (dict(parallelism_config={"pp_size": 2, "dp_shard_size": 2}, scaling={"num_workers": 4},
+          distributed={"strategy": "fsdp"}), r"^parallelism_config.pp_size: pipeline parallelism is not supported by "
+                                             r"raytrain.trl's (GRPO|RLOO)Trainer \(TRL's loss"),
 ])
 def test_config_features_not_run_are_refused(tmp_path, tiny, kind, kw, pattern):
     with pytest.raises(ValueError) as e:
