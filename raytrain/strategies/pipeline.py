@@ -82,12 +82,51 @@ class Split:
             raise ValueError(f"parallelism_config.pp_size: {name} ties its input and output embeddings "
                              "(tie_word_embeddings), which the first and last stages would hold apart; set "
                              "tie_word_embeddings=False in its config, or pp_size 1")
+        changed = _changes_inputs_embeds(base, self)
+        if changed:
+            raise ValueError(f"parallelism_config.pp_size: {name}'s base model {changed}, so the stages after the "
+                             "first cannot run it from the previous stage's hidden states; raytrain splits models "
+                             "whose forward passes inputs_embeds to the decoder layers as they are (Llama, Mistral, "
+                             "Qwen2, Gemma, ...), or use pp_size 1")
 
     def bounds(self, num_stages: int) -> list[tuple[int, int]]:
         """[lo, hi) of the decoder layers of each stage: even, the first stages one more when uneven."""
         q, r = divmod(self.num_layers, num_stages)
         sizes = [q + (i < r) for i in range(num_stages)]
         return [(sum(sizes[:i]), sum(sizes[:i + 1])) for i in range(num_stages)]
+
+
+def _changes_inputs_embeds(base: torch.nn.Module, split: Split) -> str:
+    """What the base model's forward does to inputs_embeds when it holds no layers (a stage after the first
+    runs it from the previous stage's hidden states): '' when it passes them on unchanged, else a few words
+    (a forward that scales them; GPT-2, whose position embeddings the first stage holds). Deterministic
+    inputs on the model's device (none to probe on meta), no RNG drawn, every module's train flag put back."""
+    children = {split.layers: torch.nn.ModuleList([Absent()]), **{n: Absent() for n in split.first + split.last}}
+    probe = _view(base, **children)
+    dim = getattr(getattr(base, "config", None), "hidden_size", None)
+    device = next(iter([*base.parameters(), *base.buffers()]), torch.empty(0)).device
+    if not isinstance(dim, int) or device.type == "meta":
+        return ""
+    flags = [(m, m.training) for m in base.modules()]
+    x = torch.linspace(-1.0, 1.0, 2 * dim, device=device).reshape(1, 2, dim)
+    try:
+        probe.eval()
+        with torch.no_grad():
+            out = probe(inputs_embeds=x, use_cache=False)
+        y = getattr(out, "last_hidden_state", out[0] if isinstance(out, tuple) else out)
+    except Exception as e:  # a module it needs is on another stage
+        return (f"does not run from inputs_embeds without the first stage's modules ({type(e).__name__}: "
+                f"{e})").split("\n")[0]
+    finally:
+        for m, flag in flags:
+            m.training = flag
+    if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+        return "returns hidden states of another shape than the inputs_embeds it takes"
+    if not torch.equal(y, x):
+        ratio = (y.flatten()[-1] / x.flatten()[-1]).item()
+        what = f"scales inputs_embeds by {ratio:.4g}" if torch.allclose(y, x * ratio) else "changes inputs_embeds"
+        return what + " before its first decoder layer"
+    return ""
 
 
 def _holds(module: torch.nn.Module | None) -> bool:

@@ -4,7 +4,7 @@ process's maths with the same global batch (logged loss, tokens seen, evaluation
 compute_metrics); each rank holds only its stage's layers; a pp2 x dp2 checkpoint resumes under pp2 x dp2
 (bit for bit), pp4, dp4, 2x2 and one process, a dp4 checkpoint under pp2 x tp2, one process's under pp2 x
 dp2; every layout's final/ loads with from_pretrained; LoRA, activation checkpointing, gradient
-accumulation and batches of varying lengths on the pipeline; the refusals, one line each. One 4-process launch runs every 4-process layout."""
+accumulation, batches of varying lengths and a Gemma (embeddings scaled) on the pipeline; the refusals, one line each. One 4-process launch runs every 4-process layout."""
 
 from __future__ import annotations
 
@@ -46,6 +46,15 @@ def tiny_llama(seed: int = 0):
     return LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                                         num_attention_heads=4, num_key_value_heads=4, vocab_size=128,
                                         max_position_embeddings=64))
+
+
+def tiny_gemma(seed: int = 0):
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    torch.manual_seed(seed)
+    return GemmaForCausalLM(GemmaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                                        num_key_value_heads=2, head_dim=8, vocab_size=128, max_position_embeddings=64,
+                                        tie_word_embeddings=False))
 
 
 def tiny_lora(seed: int = 0):
@@ -126,13 +135,13 @@ def _rank(rank: int, world: int, root: str, port: int, single: str, runs: list) 
         args = lm_args(os.path.join(root, run), parallelism, per_device, workers=world, **extra)
         if resume is not None:
             resume = os.path.join(single if resume.startswith("single") else root, resume, f"checkpoint-{SAVE_AT}")
-        model = tiny_lora() if run.startswith("lora") else tiny_llama()
+        model = tiny_lora() if run.startswith("lora") else tiny_gemma() if run.startswith("gemma") else tiny_llama()
         data = dict(train_dataset=padded_rows(), data_collator=trim) if run.startswith("pad") else \
             dict(train_dataset=token_rows(), compute_metrics=token_accuracy)
         trainer = Trainer(model, args, **data)
         loop.train(trainer, resume)
         out[run] = _losses(trainer)
-        if resume is None and not run.startswith(("lora", "ac", "ga", "pad")):
+        if resume is None and not run.startswith(("lora", "ac", "ga", "pad", "gemma")):
             out[f"{run}-names"] = sorted(n for n, _ in trainer.model.named_parameters())
             out[f"{run}-numel"] = _local_numel(trainer.model)
             out[f"{run}-tokens"] = trainer.state.num_input_tokens_seen
@@ -159,7 +168,7 @@ def one_process(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("pp1")
     out = {}
-    for name, model in (("single", tiny_llama()), ("lora", tiny_lora())):
+    for name, model in (("single", tiny_llama()), ("lora", tiny_lora()), ("gemma", tiny_gemma())):
         trainer = Trainer(model, lm_args(str(root / name)), train_dataset=token_rows(), compute_metrics=token_accuracy)
         trainer.train()
         out[name] = trainer
@@ -176,7 +185,7 @@ def pipelines(tmp_path_factory, one_process):
     runs = [(name, name, None, {}) for name in FRESH]
     runs += [(f"resume-{name}", name, "pp2xdp2", {}) for name in RESUMES]
     runs += [("back-pp2xtp2", "pp2xtp2", "dp4", {}), ("single-pp2xdp2", "pp2xdp2", "single", {}),
-             ("lora-pp2xdp2", "pp2xdp2", None, {}),
+             ("lora-pp2xdp2", "pp2xdp2", None, {}), ("gemma-pp2xdp2", "pp2xdp2", None, {}),
              ("ac-pp2xdp2", "pp2xdp2", None, {"activation_checkpointing": True}),
              ("ga-pp2xdp2", "pp2xdp2", None, {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}),
              ("pad-pp2xdp2", "pp2xdp2", None, {})]
@@ -229,6 +238,8 @@ def test_pipelines_match_one_process_and_resume_across_layouts(pipelines, one_pr
     lora = _losses(one["lora"])  # LoRA on the pipelined model; activation checkpointing: the same maths
     assert lora[-1] < lora[0] and results["lora-pp2xdp2"] == pytest.approx(lora, abs=1e-5)
     assert results["ac-pp2xdp2"] == pytest.approx(ref, abs=1e-5)
+    gemma = _losses(one["gemma"])  # its embedding module scales (sqrt(hidden_size)): once, on the first stage
+    assert gemma[-1] < gemma[0] and results["gemma-pp2xdp2"] == pytest.approx(gemma, abs=1e-5)
     assert results["ga-pp2xdp2"] == pytest.approx(ref, abs=1e-5)  # 2 accumulated steps of 2 microbatches
     # batches of varying lengths, different on the two data-parallel ranks: each new shape sets up its schedule
     padded = _losses(one["pad"])
@@ -299,11 +310,14 @@ def test_wrong_pipelines_are_refused_in_one_line(tmp_path, config, overrides, me
 
 def test_models_that_cannot_be_split_are_refused_before_any_worker_starts(tmp_path):
     """Checked on the driver by Trainer.train (and again by each worker's strategy), in one line."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import GemmaConfig, GemmaForCausalLM, GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     from raytrain import Trainer
     from raytrain.config.args import ConfigError
     from tests.strategies._helpers import digits_model
+
+    small = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                 vocab_size=128)
 
     args = TrainingArguments(**_args(tmp_path, {"pp_size": 4}))
     assert args.distributed.strategy == "fsdp" and args.parallelism_config["pp_schedule"] == "1F1B"
@@ -325,16 +339,44 @@ def test_models_that_cannot_be_split_are_refused_before_any_worker_starts(tmp_pa
         (LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                                       vocab_size=128, tie_word_embeddings=True)), {"pp_size": 2},
          "parallelism_config.pp_size: LlamaForCausalLM ties its input and output embeddings"),
+        # Gemma scales its embeddings inside embed_tokens (the first stage's): it splits
+        (GemmaForCausalLM(GemmaConfig(**small, head_dim=8, tie_word_embeddings=False)), {"pp_size": 2}, None),
+        (_scaled_llama(), {"pp_size": 2}, "parallelism_config.pp_size: LlamaForCausalLM's base model scales "
+                                          "inputs_embeds by 2 before its first decoder layer, so the stages after the "
+                                          "first cannot run it from the previous stage's hidden states"),
+        (GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=128, tie_word_embeddings=False)),
+         {"pp_size": 2}, "parallelism_config.pp_size: GPT2LMHeadModel's base model does not run from inputs_embeds "
+                         "without the first stage's modules (RuntimeError: "),
     ]
     for model, config, message in cases:
         trainer = Trainer(model, TrainingArguments(**_args(tmp_path, config, per_device_train_batch_size=8)),
                           train_dataset=token_rows())
         if message is None:
-            trainer._check_pipeline()
+            model.train()
+            rng = torch.random.get_rng_state()
+            trainer._check_pipeline()  # probing the forward draws no RNG and leaves every module training
+            assert torch.equal(rng, torch.random.get_rng_state()) and all(m.training for m in model.modules())
             continue
         with pytest.raises(ConfigError) as e:  # the CLI's exit 2
             trainer.train()
         assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def _scaled_llama():
+    """A Llama whose base forward scales inputs_embeds (as Gemma 1 and 2 did before transformers moved it into
+    their embedding module)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
+
+    class ScaledLlamaModel(LlamaModel):
+        def forward(self, input_ids=None, inputs_embeds=None, **kwargs):
+            if inputs_embeds is None:
+                inputs_embeds = self.embed_tokens(input_ids)
+            return super().forward(inputs_embeds=inputs_embeds * 2, **kwargs)
+
+    model = LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                         vocab_size=128))
+    model.model.__class__ = ScaledLlamaModel
+    return model
 
 
 def test_the_split_follows_the_plan_or_else_the_layer_list():
