@@ -78,6 +78,12 @@ class Strategy:
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         return unwrap_model(model)
 
+    def place_frozen(self, module: torch.nn.Module) -> torch.nn.Module:
+        """A model that only runs forwards beside the trained one (a reference or reward model), placed as TRL's
+        prepare_model / prepare_fsdp / prepare_deepspeed place it: here on this rank's device, whole; a sharding
+        backend shards it as it shards the trained model, so that every rank runs its forwards together."""
+        return module.to(self.device)
+
     @contextlib.contextmanager
     def full_parameters(self):
         """Every rank holds the whole parameters inside, and the model's forward runs no collective: for a

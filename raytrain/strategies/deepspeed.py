@@ -76,6 +76,23 @@ class DeepSpeedStrategy(TorchDistributedMixin, Strategy):
     def unwrap(self, model):
         return getattr(model, "module", model)
 
+    def place_frozen(self, module):
+        """ZeRO-3: a DeepSpeed engine of its own with the run's config (no optimizer) and TRL's prepare_deepspeed
+        bucket sizes, its parameters partitioned over the ranks; other stages: whole on the device."""
+        if self.stage != 3:
+            return module.to(self.device)
+        import deepspeed
+
+        config = {k: v for k, v in copy.deepcopy(self.config).items() if k not in ("optimizer", "scheduler")}
+        hidden = getattr(getattr(module, "config", None), "hidden_size", None)
+        if isinstance(hidden, int):
+            config["zero_optimization"].update(reduce_bucket_size=hidden * hidden,
+                                               stage3_param_persistence_threshold=10 * hidden,
+                                               stage3_prefetch_bucket_size=int(0.9 * hidden * hidden))
+        engine, *_ = deepspeed.initialize(model=module.to(self.device), config=config)
+        engine.eval()  # the engine's eval() returns None
+        return engine
+
     @contextlib.contextmanager
     def full_parameters(self):
         """ZeRO-3: every partition gathered (deepspeed.zero.GatheredParameters) and the engine's fetch / release

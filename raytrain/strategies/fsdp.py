@@ -67,6 +67,7 @@ class FSDPStrategy(TorchDistributedMixin, Strategy):
         self._dp_group = self.dims.dp_group(self.rank) if self.dims.tp > 1 or self.dims.pp > 1 else None
         self._loss_group = self.dims.loss_group(self.rank) if self.dims.pp > 1 else None
         self._pp_group = None
+        self._frozen_kwargs: dict | None = None  # fully_shard's options for a reference / reward model
         self.layout = self.dims.as_dict()
 
     # -- set-up
@@ -111,6 +112,8 @@ class FSDPStrategy(TorchDistributedMixin, Strategy):
             if self.pipeline is None and callable(getattr(model, "generate", None)):
                 # generate() enters at the root, as forward does (a PEFT model's reaches its blocks without it)
                 register_fsdp_forward_method(model, "generate")
+        if self.dims.dp > 1 and self.dims.tp == 1 and self.pipeline is None:
+            self._frozen_kwargs = {**kwargs, "reshard_after_forward": True}
         self.optimizer = optimizer_factory(model)
         if self.dims.tp > 1:
             tensor_parallel.unfuse_mixed_groups(self.optimizer)
@@ -118,6 +121,22 @@ class FSDPStrategy(TorchDistributedMixin, Strategy):
             logger.warning("torch_compile: not applied under pipeline parallelism (pp_size > 1)")
         self.model = torch.compile(model) if self.args.torch_compile and self.pipeline is None else model
         return self.model, self.optimizer
+
+    def place_frozen(self, module):
+        """FSDP2 over the trained model's data-parallel mesh, its decoder blocks (_no_split_modules) each sharded
+        on their own, as TRL's prepare_fsdp; whole where the layout has TP or PP (the reference then needs no
+        plan of its own)."""
+        from torch.distributed.fsdp import fully_shard
+
+        module = module.to(self.device)
+        kwargs = self._frozen_kwargs
+        if kwargs is None:
+            return module
+        names = set(getattr(module, "_no_split_modules", None) or [])
+        for block in reversed([m for m in module.modules() if m is not module and type(m).__name__ in names]):
+            fully_shard(block, **kwargs)
+        fully_shard(module, **kwargs)
+        return module
 
     def _dp_mesh(self, model):
         """The mesh FSDP shards over; with TP in the layout, the model's plan is applied first."""

@@ -23,7 +23,7 @@ RUN = dict(max_steps=4, num_iterations=2, beta=0.04)
 # the LoRA run last: it saves checkpoint-4 on the workers, which Ray then hands to any later run of the group as
 # the checkpoint to restart from
 CASES = {"ddp": ("ddp", False), "zero3": ("zero3", False), "zero3-layerwise": ("zero3", False),
-         "fsdp2-lora": ("fsdp2", True)}
+         "fsdp2": ("fsdp2", False), "fsdp2-lora": ("fsdp2", True)}
 # the metrics that are the same on any number of ranks for the same global batch; TRL's kl, entropy and clip
 # ratios are means of each rank's mean
 GLOBAL_KEYS = ("loss", "grad_norm", "learning_rate", "num_tokens", "reward", "reward_std", "frac_reward_zero_std",
@@ -128,7 +128,40 @@ def run_on_two_workers(config: dict) -> dict | None:
         results[name] = {"log": json.loads(value["state"])["log_history"], "weights": value["weights"]} \
             if value else None
     results["generation"] = unequal_generation(config["root"], config["model"])
+    results["frozen"] = frozen_placement(config["root"], config["model"])
     return results if _rank() == 0 else None
+
+
+def frozen_placement(root: str, model_path: str) -> dict:
+    """A reference model placed by each backend's Strategy.place_frozen beside a trained one: the elements this
+    rank holds against the whole model's, and whether its logits are the whole model's. Rank 0's, per backend."""
+    import torch
+
+    from raytrain import TrainingArguments
+    from raytrain.strategies import create_strategy
+    from transformers import AutoModelForCausalLM
+
+    out = {}
+    ids = torch.tensor([[5, 17, 33, 2, 9], [7, 7, 1, 40, 3]])
+    for name in ("ddp", "fsdp2", "zero3"):
+        args = TrainingArguments(os.path.join(root, f"frozen-{name}"), use_cpu=True, report_to="none",
+                                 per_device_train_batch_size=1, scaling={"num_workers": 2},
+                                 distributed=BACKENDS[name])
+        strategy = create_strategy(args)
+        strategy.setup(AutoModelForCausalLM.from_pretrained(model_path),
+                       lambda m: torch.optim.AdamW(m.parameters(), lr=1e-3))
+        whole = AutoModelForCausalLM.from_pretrained(model_path).eval().requires_grad_(False)
+        with torch.no_grad():
+            want = whole(ids).logits
+        ref = strategy.place_frozen(AutoModelForCausalLM.from_pretrained(model_path).eval().requires_grad_(False))
+        with torch.no_grad():
+            got = ref(input_ids=ids).logits
+        held = sum(p.to_local().numel() if hasattr(p, "to_local") else
+                   p.ds_tensor.numel() if hasattr(p, "ds_tensor") else p.numel() for p in ref.parameters())
+        out[name] = {"held": held, "whole": sum(p.numel() for p in whole.parameters()),
+                     "max_diff": float((got - want).abs().max())}
+        strategy.barrier()
+    return out
 
 
 def unequal_generation(root: str, model_path: str) -> dict:

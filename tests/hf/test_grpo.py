@@ -147,17 +147,22 @@ def test_grpo_matches_trl_step_for_step(tmp_path, tiny, case):
 
 
 @pytest.mark.parametrize("given", ["peft_model", "in_memory"])
-def test_the_reference_of_a_given_peft_model_or_of_a_model_built_in_memory(tmp_path, tiny, given):
+def test_the_reference_of_a_given_peft_model_or_of_a_model_built_in_memory(tmp_path, tiny, given, monkeypatch):
     """beta 0.04: a PeftModel given as the model gets TRL's frozen `ref` copy of its adapter (both libraries); a model
     built in memory (no path to reload, where trl fails) gets a frozen copy of itself, which is what trl's reload of
-    the same weights from their path gives."""
+    the same weights from their path gives, placed once by the backend (Strategy.place_frozen: sharded under FSDP2
+    and ZeRO-3, test_grpo_backends_on_ray.py)."""
     import torch
     from peft import get_peft_model
     from transformers import AutoModelForCausalLM
 
     from examples.sft import build_model
+    from raytrain.strategies.base import Strategy
 
     from .trl_jobs import lora
+
+    placed, place = [], Strategy.place_frozen
+    monkeypatch.setattr(Strategy, "place_frozen", lambda self, m: placed.append(type(m).__name__) or place(self, m))
 
     runs = {}
     for lib in ("trl", "rt"):
@@ -176,6 +181,7 @@ def test_the_reference_of_a_given_peft_model_or_of_a_model_built_in_memory(tmp_p
             # trained in train mode throughout, as HF's training_step sets it (from_pretrained's model came in eval)
             assert all(m.training for m in t.model.modules())
     assert runs["rt"][0].ref_model is None if given == "peft_model" else not runs["rt"][0].ref_model.training
+    assert placed == ([] if given == "peft_model" else ["LlamaForCausalLM"])
     _same_run(runs)
 
 

@@ -1,6 +1,7 @@
 """raytrain.trl's GRPOTrainer on 2 Ray Train workers: under DDP each rank samples trl's own completions on 2 processes
-(TRL's device-specific seed) and every metric is trl's; under DDP, FSDP2 with LoRA and ZeRO-3 the losses, rewards
-and weights are one process's on the same global batch and completions; generation needs no collective under FSDP2
+(TRL's device-specific seed) and every metric is trl's; under DDP, FSDP2 (full and LoRA) and ZeRO-3 the losses,
+rewards and weights are one process's on the same global batch and completions, the reference model sharded like
+the policy under FSDP2 and ZeRO-3; generation needs no collective under FSDP2
 or ZeRO-3; the LoRA adapter saved by the workers loads with PeftModel.from_pretrained."""
 
 from __future__ import annotations
@@ -94,6 +95,20 @@ def test_generation_under_fsdp2_and_zero3_runs_no_collective(two_workers):
     _, _, results = two_workers
     for backend, tokens in results["generation"].items():
         assert tokens["got"] == tokens["want"] and len(tokens["want"]) == 11, backend
+
+
+@pytest.mark.timeout(600)
+def test_reference_models_are_sharded_as_the_trained_model_is(two_workers):
+    """Strategy.place_frozen (the reference and reward models of GRPO, RLOO and DPO): whole under DDP, about half
+    the elements per rank on 2 workers under FSDP2 and ZeRO-3 (TRL's prepare_fsdp / prepare_deepspeed), the whole
+    model's logits either way."""
+    _, _, results = two_workers
+    frozen = results["frozen"]
+    assert frozen["ddp"]["held"] == frozen["ddp"]["whole"] > 0
+    for backend in ("fsdp2", "zero3"):
+        assert frozen[backend]["held"] < 0.6 * frozen[backend]["whole"], (backend, frozen[backend])
+    for backend, got in frozen.items():
+        assert got["max_diff"] <= 1e-6, (backend, got)
 
 
 @pytest.mark.long  # two Ray runs: by default test_grpo.py's in-process SIGKILL and driver/test_launch.py's Ray SIGKILL

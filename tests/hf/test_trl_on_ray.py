@@ -5,6 +5,7 @@ batches."""
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
@@ -29,9 +30,13 @@ BACKENDS = {"ddp": {"strategy": "ddp"},
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind, backend", [("sft", "ddp"), ("sft", "fsdp2"), ("dpo", "zero3")])
+@pytest.mark.parametrize("kind, backend", [("sft", "ddp"), ("sft", "fsdp2"), ("dpo", "zero3"), ("dpo-ref", "fsdp2")])
 def test_trl_script_on_two_workers_matches_trl_in_one_process(ray_cluster, tmp_path, kind, backend):
+    """dpo: LoRA (the reference is the adapter disabled); dpo-ref: full fine-tuning with a separate ref_model, which
+    the workers shard as the policy (Strategy.place_frozen, TRL's prepare_fsdp)."""
     make, keys = (jobs.sft_trainer, jobs.STEP_KEYS) if kind == "sft" else (jobs.dpo_trainer, jobs.DPO_KEYS)
+    if kind == "dpo-ref":
+        make = functools.partial(jobs.dpo_trainer, peft=False, ref=True)
     theirs = make("trl", str(tmp_path / "trl"), max_steps=3)
     theirs.train()
     ours = make("rt", str(tmp_path / "rt"), max_steps=3, per_device_train_batch_size=2,
