@@ -103,6 +103,8 @@ class FSDPStrategy(TorchDistributedMixin, Strategy):
         roots = [model]
         if self.pipeline is not None:
             roots = self.pipeline.make_stages(self.device, self._pp_group)
+            if self.pipeline.tied_trainable:
+                self.pipeline.tied_group = self.dims.tied_group(self.rank)
             self.pipeline.sync_group = torch.distributed.group.WORLD if self.dims.dp > 1 else None
         if self.dims.dp > 1:  # tp alone: no data-parallel dim to shard over
             for block in blocks:
@@ -225,8 +227,12 @@ class FSDPStrategy(TorchDistributedMixin, Strategy):
 
     def clip_grad_norm(self, max_norm):
         if self.dims.tp > 1 or self.pipeline is not None:  # DTensors on two meshes (dp x tp, dp); stages apart
+            uncounted = set()
+            if self.pipeline is not None:
+                self.pipeline.sync_tied()
+                uncounted = self.pipeline.uncounted()
             return tensor_parallel.clip_grad_norm([p for p in self.model.parameters() if p.grad is not None],
-                                                  max_norm, self._pp_group, self.device)
+                                                  max_norm, self._pp_group, self.device, uncounted)
         grads = [p.grad for p in self.model.parameters() if p.grad is not None]
         total = torch.nn.utils.get_total_norm(grads, foreach=True)
         if hasattr(total, "full_tensor"):  # a DTensor: the norm of this rank's shards, reduced to all
@@ -288,7 +294,7 @@ class FSDPStrategy(TorchDistributedMixin, Strategy):
             dist.gather_object(mine, parts, dst=0)
         if parts is None:
             return None
-        return {k: v for part in parts if part for k, v in part.items()}
+        return self.pipeline.tied_state({k: v for part in parts if part for k, v in part.items()})
 
     def load_model_state_dict(self, state, strict: bool = True):
         model = self.unwrap(self.model)

@@ -175,6 +175,19 @@ class ParallelDims:
                     mine = group
         return mine
 
+    def tied_group(self, rank: int):
+        """Under PP, `rank`'s peer holding the other end of tied input and output embeddings: the first stage's
+        rank and the last stage's with the same data-parallel and TP index. Every rank calls it."""
+        import torch.distributed as dist
+
+        mine, stride = None, self.dp * self.tp
+        for c in range(stride):  # every rank creates every group, in the same order
+            ranks = [c, (self.pp - 1) * stride + c]
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine = group
+        return mine
+
     def loss_group(self, rank: int):
         """Under PP, the ranks that sum the logged loss: every stage and data-parallel rank of one TP index
         (the last stage's hold it, the others zero); None: the whole world. Every rank calls it."""

@@ -76,12 +76,17 @@ class Split:
                 raise ValueError(f"parallelism_config.pp_size: {name}.{self.prefix}.{n} holds parameters but is "
                                  "neither before nor after the decoder layers in the model's pipeline plan "
                                  "(base_model_pp_plan); raytrain cannot place it on a stage")
+        # tied input and output embeddings (tie_word_embeddings): the last stage keeps the embedding module
+        # beside the head, so both stages hold the weight under the model's own name (Megatron's shared embedding)
         embeddings = inner.get_input_embeddings() if hasattr(inner, "get_input_embeddings") else None
         out = inner.get_output_embeddings() if hasattr(inner, "get_output_embeddings") else None
+        self.tied: str | None = None  # the base model's child that holds the tied embeddings
         if embeddings is not None and out is not None and out.weight is embeddings.weight:
-            raise ValueError(f"parallelism_config.pp_size: {name} ties its input and output embeddings "
-                             "(tie_word_embeddings), which the first and last stages would hold apart; set "
-                             "tie_word_embeddings=False in its config, or pp_size 1")
+            self.tied = next((n for n in self.first if getattr(base, n) is embeddings), None)
+            if self.tied is None or not any(getattr(inner, n) is out for n in self.head):
+                raise ValueError(f"parallelism_config.pp_size: {name} ties its input and output embeddings "
+                                 "(tie_word_embeddings) outside the modules before and after its layers; set "
+                                 "tie_word_embeddings=False in its config, or pp_size 1")
         changed = _changes_inputs_embeds(base, self)
         if changed:
             raise ValueError(f"parallelism_config.pp_size: {name}'s base model {changed}, so the stages after the "
@@ -143,6 +148,10 @@ def _parameters(model: torch.nn.Module) -> set[str]:
 def check(model: torch.nn.Module, dims: ParallelDims) -> Split:
     """The model splits into dims.num_stages stages; one-line ValueError naming what is missing."""
     split = Split(model)
+    if split.tied and dims.tp > 1:
+        raise ValueError(f"parallelism_config.pp_size: {type(inner_model(model)).__name__} ties its input and output "
+                         "embeddings (tie_word_embeddings), which raytrain does not split over TP and pipeline stages "
+                         "at once; use tp_size 1 (pp with dp_shard), or tie_word_embeddings=False")
     if dims.num_stages > split.num_layers:
         per = f" ({dims.stages_per_rank} per rank, {dims.pp_schedule})" if dims.stages_per_rank > 1 else ""
         raise ValueError(f"parallelism_config.pp_size: {dims.num_stages} pipeline stages{per} but "
@@ -164,6 +173,12 @@ class Pipeline:
         self.whole_groups = _whole_groups(model)
         self.parts: list[torch.nn.Module] = []
         self.group = self.device = None
+        # tied embeddings: the weight's names in the whole model (the input embedding's first), and the group
+        # of this rank and its peer at the other end, whose gradients are summed before each update
+        tied = inner_model(model).get_input_embeddings().weight if self.split.tied else None
+        self.tied_names = [n for n, p in model.named_parameters(remove_duplicate=False) if p is tied]
+        self.tied_trainable = tied is not None and tied.requires_grad
+        self.tied_group: Any = None
         self.sync_group: Any = None  # set: every rank builds a schedule when any needs one (FSDP's collectives)
         self._schedules: dict[tuple, Any] = {}
         self._loss: Callable | None = None
@@ -180,7 +195,8 @@ class Pipeline:
             if i not in held:
                 layers[i] = Absent()
         for n in s.first if not self.has_first else ():
-            setattr(base, n, Absent())
+            if not (n == s.tied and self.has_last):  # the last stage's head holds the tied weight through it
+                setattr(base, n, Absent())
         for n in s.last if not self.has_last else ():
             setattr(base, n, Absent())
         for n in s.head if not self.has_last else ():
@@ -197,12 +213,46 @@ class Pipeline:
             lo, hi = bounds[sid]
             own = torch.nn.ModuleList([layers[i] if lo <= i < hi else Absent() for i in range(len(layers))])
             first, last = sid == 0, sid == self.dims.num_stages - 1
-            base_view = _view(base, **{s.layers: own}, **({} if first else {n: Absent() for n in s.first}),
+            absent_first = {n: Absent() for n in s.first if not (last and n == s.tied)}  # kept: it shares the head's
+            base_view = _view(base, **{s.layers: own}, **({} if first else absent_first),
                               **({} if last else {n: Absent() for n in s.last}))
             part = _view(inner, **{s.prefix: base_view}, **({} if last else {n: Absent() for n in s.head}))
             part.forward = _stage_forward(part, base_view, first, last)
             self.parts.append(part)
         return self.parts
+
+    # -- tied embeddings
+    def tied_weight(self) -> torch.nn.Parameter | None:
+        """This rank's copy of the tied embedding weight when it holds the first or the last stage."""
+        if not self.tied_names or not (self.has_first or self.has_last):
+            return None
+        return dict(self.model.named_parameters()).get(self.tied_names[0])
+
+    def sync_tied(self) -> None:
+        """Sum the tied weight's gradient over its two ends (the embedding's on the first stage, the head's on
+        the last), so both apply one process's update; before the norm and the optimizer step."""
+        import torch.distributed as dist
+
+        weight = self.tied_weight() if self.tied_group is not None else None
+        if weight is None or weight.grad is None:
+            return
+        grad = weight.grad
+        local = grad.to_local() if hasattr(grad, "to_local") else grad
+        dist.all_reduce(local, group=self.tied_group)
+
+    def uncounted(self) -> set:
+        """Parameters left out of the gradient norm on this rank: the tied weight where the first stage, which
+        counts it, is another rank's."""
+        weight = self.tied_weight()
+        return {weight} if weight is not None and not self.has_first else set()
+
+    def tied_state(self, state: dict) -> dict:
+        """A gathered state dict with the tied weight under all of its names, one tensor (saved once, as one
+        process saves it)."""
+        if self.tied_names and self.tied_names[0] in state:
+            for alias in self.tied_names[1:]:
+                state[alias] = state[self.tied_names[0]]
+        return state
 
     # -- running
     def run(self, inputs: dict, main: str, target: torch.Tensor | None, loss: Callable | None, train: bool):

@@ -136,17 +136,21 @@ def unfuse_mixed_groups(optimizer) -> None:
 
 
 def clip_grad_norm(params: list[torch.nn.Parameter], max_norm: float | None, stages: Any = None,
-                   device: Any = None) -> torch.Tensor:
+                   device: Any = None, uncounted: set | None = None) -> torch.Tensor:
     """The 2-norm of all gradients across the mesh, exact, and clipping by it: DTensors on different
     meshes (TP weights on dp x tp, the rest on dp only) cannot share a foreach op, so per mesh and layout;
-    `stages`: the pipeline's group, whose ranks hold the other stages' gradients (squares summed over it)."""
+    `stages`: the pipeline's group, whose ranks hold the other stages' gradients (squares summed over it);
+    `uncounted`: clipped but left out of the norm (a tied weight another stage counts)."""
     groups: dict[Any, list[torch.nn.Parameter]] = {}
     for p in params:
         key = (p.grad.device_mesh, p.grad.placements) if hasattr(p.grad, "device_mesh") else None
         groups.setdefault(key, []).append(p)
     norms = []
     for members in groups.values():
-        n = torch.nn.utils.get_total_norm([p.grad for p in members], foreach=True)
+        counted = [p.grad for p in members if not uncounted or p not in uncounted]
+        if not counted:
+            continue
+        n = torch.nn.utils.get_total_norm(counted, foreach=True)
         norms.append(n.full_tensor() if hasattr(n, "full_tensor") else n)
     total = torch.linalg.vector_norm(torch.stack(norms)) if len(norms) > 1 else \
         norms[0] if norms else torch.zeros((), device=device)

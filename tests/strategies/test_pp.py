@@ -4,7 +4,7 @@ process's maths with the same global batch (logged loss, tokens seen, evaluation
 compute_metrics); each rank holds only its stage's layers; a pp2 x dp2 checkpoint resumes under pp2 x dp2
 (bit for bit), pp4, dp4, 2x2 and one process, a dp4 checkpoint under pp2 x tp2, one process's under pp2 x
 dp2; every layout's final/ loads with from_pretrained; LoRA, activation checkpointing, gradient
-accumulation, batches of varying lengths and a Gemma (embeddings scaled) on the pipeline; the refusals, one line each. One 4-process launch runs every 4-process layout."""
+accumulation, batches of varying lengths, a Gemma (embeddings scaled) and tied embeddings on the pipeline; the refusals, one line each. One 4-process launch runs every 4-process layout."""
 
 from __future__ import annotations
 
@@ -39,13 +39,13 @@ STAGE_LAYERS = {"pp2xdp2": [(0, 1), (0, 1), (2, 3), (2, 3)], "pp4": [(0,), (1,),
 pytestmark = pytest.mark.xdist_group("pp")
 
 
-def tiny_llama(seed: int = 0):
+def tiny_llama(seed: int = 0, tied: bool = False):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
     return LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=4,
                                         num_attention_heads=4, num_key_value_heads=4, vocab_size=128,
-                                        max_position_embeddings=64))
+                                        max_position_embeddings=64, tie_word_embeddings=tied))
 
 
 def tiny_gemma(seed: int = 0):
@@ -135,12 +135,17 @@ def _rank(rank: int, world: int, root: str, port: int, single: str, runs: list) 
         args = lm_args(os.path.join(root, run), parallelism, per_device, workers=world, **extra)
         if resume is not None:
             resume = os.path.join(single if resume.startswith("single") else root, resume, f"checkpoint-{SAVE_AT}")
-        model = tiny_lora() if run.startswith("lora") else tiny_gemma() if run.startswith("gemma") else tiny_llama()
+        model = tiny_lora() if run.startswith("lora") else tiny_gemma() if run.startswith("gemma") else \
+            tiny_llama(tied=run.startswith("tied"))
         data = dict(train_dataset=padded_rows(), data_collator=trim) if run.startswith("pad") else \
             dict(train_dataset=token_rows(), compute_metrics=token_accuracy)
         trainer = Trainer(model, args, **data)
         loop.train(trainer, resume)
         out[run] = _losses(trainer)
+        if run.startswith("tied"):  # this rank's shard of the tied weight (the first and the last stage's)
+            weight = dict(trainer.model.named_parameters()).get("model.embed_tokens.weight")
+            out[f"{run}-tied"] = None if weight is None else \
+                (weight.to_local() if hasattr(weight, "to_local") else weight).detach().flatten().tolist()
         if resume is None and not run.startswith(("lora", "ac", "ga", "pad", "gemma")):
             out[f"{run}-names"] = sorted(n for n, _ in trainer.model.named_parameters())
             out[f"{run}-numel"] = _local_numel(trainer.model)
@@ -168,7 +173,8 @@ def one_process(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("pp1")
     out = {}
-    for name, model in (("single", tiny_llama()), ("lora", tiny_lora()), ("gemma", tiny_gemma())):
+    for name, model in (("single", tiny_llama()), ("lora", tiny_lora()), ("gemma", tiny_gemma()),
+                        ("single-tied", tiny_llama(tied=True))):
         trainer = Trainer(model, lm_args(str(root / name)), train_dataset=token_rows(), compute_metrics=token_accuracy)
         trainer.train()
         out[name] = trainer
@@ -186,6 +192,9 @@ def pipelines(tmp_path_factory, one_process):
     runs += [(f"resume-{name}", name, "pp2xdp2", {}) for name in RESUMES]
     runs += [("back-pp2xtp2", "pp2xtp2", "dp4", {}), ("single-pp2xdp2", "pp2xdp2", "single", {}),
              ("lora-pp2xdp2", "pp2xdp2", None, {}), ("gemma-pp2xdp2", "pp2xdp2", None, {}),
+             # tied embeddings: fresh, resumed on the same layout, and one process's checkpoint under pp4
+             ("tied-pp2xdp2", "pp2xdp2", None, {}), ("tied-resume-pp2xdp2", "pp2xdp2", "tied-pp2xdp2", {}),
+             ("tied-single-pp4", "pp4", "single-tied", {}),
              ("ac-pp2xdp2", "pp2xdp2", None, {"activation_checkpointing": True}),
              ("ga-pp2xdp2", "pp2xdp2", None, {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}),
              ("pad-pp2xdp2", "pp2xdp2", None, {})]
@@ -212,8 +221,8 @@ def test_pipelines_match_one_process_and_resume_across_layouts(pipelines, one_pr
     ref = _losses(single)
     assert len(ref) == STEPS and ref[-1] < ref[0]
     for results in per_rank[1:]:  # every rank logs the loss of the whole global batch, and evaluates alike
-        assert {k: v for k, v in results.items() if not k.endswith(("-names", "-numel"))} == \
-            {k: v for k, v in per_rank[0].items() if not k.endswith(("-names", "-numel"))}
+        assert {k: v for k, v in results.items() if not k.endswith(("-names", "-numel", "-tied"))} == \
+            {k: v for k, v in per_rank[0].items() if not k.endswith(("-names", "-numel", "-tied"))}
     results = per_rank[0]
     for name in FRESH:
         _check_run(results, name, ref, single, one)
@@ -260,6 +269,41 @@ def test_every_pipelined_layout_saves_what_from_pretrained_loads(pipelines, one_
         assert not info["missing_keys"] and not info["unexpected_keys"], (name, info)
         for key, value in model.state_dict().items():
             torch.testing.assert_close(value, ref[key], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.timeout(600)
+def test_tied_embeddings_live_on_the_first_and_last_stages_and_resume_on_any_layout(pipelines, one_process):
+    """tie_word_embeddings: the first stage's embedding and the last stage's head hold the weight under the model's
+    own name, their gradients summed before each update and counted once in the norm: one process's losses within
+    1e-5 and the two ends' shards equal after the last update; the checkpoint resumes bit for bit under pp2 x dp2
+    and in one process, one process's resumes under pp4; final/ loads tied with from_pretrained, nothing missing."""
+    from transformers import LlamaForCausalLM
+
+    from raytrain import Trainer
+
+    root, per_rank = pipelines
+    one = one_process[1]["single-tied"]
+    ref = _losses(one)
+    assert len(ref) == STEPS and ref[-1] < ref[0] and ref != _losses(one_process[1]["single"])
+    results = per_rank[0]
+    assert results["tied-pp2xdp2"] == pytest.approx(ref, abs=1e-5)
+    # pp2 x dp2: ranks 0-1 the first stage, 2-3 the last, rank r and r + 2 holding the same shard
+    ends = [per_rank[r]["tied-pp2xdp2-tied"] for r in range(4)]
+    assert ends[0] == ends[2] and ends[1] == ends[3] and ends[0] != ends[1]
+    pp4 = [per_rank[r]["tied-single-pp4-tied"] for r in range(4)]
+    assert pp4[1] is None and pp4[2] is None and pp4[0] == pp4[3]
+    assert results["tied-resume-pp2xdp2"] == results["tied-pp2xdp2"]  # the same layout: bit for bit
+    assert results["tied-single-pp4"] == pytest.approx(ref, abs=1e-5)  # one process's optimizer.pt, by stage
+    resumed = Trainer(tiny_llama(tied=True), lm_args(str(one_process[0] / "tied-resumed")), train_dataset=token_rows())
+    resumed.train(resume_from_checkpoint=str(root / "tied-pp2xdp2" / f"checkpoint-{SAVE_AT}"))
+    assert _losses(resumed) == pytest.approx(ref, abs=1e-5)
+    want = one.model.state_dict()
+    for folder in (f"checkpoint-{STEPS}", "final"):
+        model, info = LlamaForCausalLM.from_pretrained(str(root / "tied-pp2xdp2" / folder), output_loading_info=True)
+        assert not info["missing_keys"] and not info["unexpected_keys"], (folder, info)
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        for key, value in model.state_dict().items():
+            torch.testing.assert_close(value, want[key], rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.timeout(600)
@@ -337,8 +381,10 @@ def test_models_that_cannot_be_split_are_refused_before_any_worker_starts(tmp_pa
                                          "stages: raytrain needs a base model (base_model_prefix) whose decoder layers "
                                          "are an nn.ModuleList"),
         (LlamaForCausalLM(LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                      vocab_size=128, tie_word_embeddings=True)), {"pp_size": 2},
-         "parallelism_config.pp_size: LlamaForCausalLM ties its input and output embeddings"),
+                                      vocab_size=128, tie_word_embeddings=True)), {"pp_size": 2, "tp_size": 2},
+         "parallelism_config.pp_size: LlamaForCausalLM ties its input and output embeddings (tie_word_embeddings), "
+         "which raytrain does not split over TP and pipeline stages at once; use tp_size 1"),
+        (tiny_llama(tied=True), {"pp_size": 2}, None),  # tied, without TP: the first and last stages share it
         # Gemma scales its embeddings inside embed_tokens (the first stage's): it splits
         (GemmaForCausalLM(GemmaConfig(**small, head_dim=8, tie_word_embeddings=False)), {"pp_size": 2}, None),
         (_scaled_llama(), {"pp_size": 2}, "parallelism_config.pp_size: LlamaForCausalLM's base model scales "
