@@ -92,7 +92,8 @@ def test_sigkill_sigterm_and_a_preemption_notice_restart_the_group_and_end_bit_e
     out_dir = tmp_path / "out"
     args = digits_args(str(out_dir), str(tmp_path / "ray"), scaling={"max_failures": 2, "max_preemption_failures": 1},
                        save_async=True)
-    faults = [FaultInjector(1, 15, signal.SIGKILL, record_starts=False),
+    # the SIGKILL once checkpoint-10 is committed (its background save races 5 short steps on a loaded machine)
+    faults = [FaultInjector(1, 15, signal.SIGKILL, record_starts=False, after="checkpoint-10/manifest.json"),
               FaultInjector(0, 23, signal.SIGTERM, record_starts=False), PreemptionNotice(28)]
     trainer = Trainer(digits_model(), args, train_dataset=digits[0], callbacks=faults)
     out = trainer.train()

@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 import torch
 
@@ -78,10 +79,12 @@ class WeightsProbe(TrainerCallback):
 
 class FaultInjector(TrainerCallback):
     """Sends `sig` to this process on `rank` after `step` (once: a marker file remembers), and appends
-    the step every attempt starts from to starts.txt."""
+    the step every attempt starts from to starts.txt. `after`: a path under output_dir that must exist
+    first (a background save's checkpoint committed, however slow the machine)."""
 
-    def __init__(self, rank: int, step: int, sig: int = signal.SIGKILL, record_starts: bool = True):
-        self.rank, self.step, self.sig, self.record_starts = rank, step, sig, record_starts
+    def __init__(self, rank: int, step: int, sig: int = signal.SIGKILL, record_starts: bool = True,
+                 after: str | None = None):
+        self.rank, self.step, self.sig, self.record_starts, self.after = rank, step, sig, record_starts, after
 
     def on_train_begin(self, args, state, control, **kwargs):
         if self.record_starts and int(os.environ.get("RANK", 0)) == 0:
@@ -92,6 +95,10 @@ class FaultInjector(TrainerCallback):
         marker = os.path.join(args.output_dir, f"fault-{self.sig}.done")
         if int(os.environ.get("RANK", 0)) == self.rank and state.global_step == self.step \
                 and not os.path.exists(marker):
+            deadline = time.time() + 120
+            while self.after and not os.path.exists(os.path.join(args.output_dir, self.after)) \
+                    and time.time() < deadline:
+                time.sleep(0.1)
             open(marker, "w").close()
             os.kill(os.getpid(), self.sig)
 
