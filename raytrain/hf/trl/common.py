@@ -1,5 +1,5 @@
-"""What TRL's SFT and DPO trainers share on raytrain: the args conversion, PEFT set-up, refusals of what does not
-run here, and TRL's metric logging (its `_metrics` averaged into each log, kept across a resume)."""
+"""What TRL's trainers share on raytrain: the args conversion, a model's from-path arguments, PEFT set-up, refusals
+of what does not run here, and TRL's metric logging (its `_metrics` averaged into each log, kept across a resume)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,16 @@ def as_config(config_class: type, args: Any, model: Any, suffix: str) -> Any:
     if type(args).__module__.startswith("trl"):
         raise TypeError(f"args: {type(args).__name__} is trl's; use raytrain.trl's {config_class.__name__}")
     return config_class.from_dict(args.to_dict())
+
+
+def from_path_kwargs(args: Any, quantization_config: Any) -> dict:
+    """TRL's keyword arguments for a model loaded from its path: model_init_kwargs, the quantization config,
+    trust_remote_code."""
+    kwargs = dict(args.model_init_kwargs or {})
+    if quantization_config is not None:
+        kwargs["quantization_config"] = quantization_config
+    kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+    return kwargs
 
 
 def check_unsupported(args: Any) -> None:

@@ -12,7 +12,7 @@ from trl import DPOTrainer as _TRL
 from trl.trainer.dpo_trainer import DataCollatorForPreference
 from trl.trainer.utils import add_fused_lm_head, create_model_from_path, disable_dropout_in_model
 
-from .common import TRLMethods, as_config, check_unsupported, divided, setup_peft
+from .common import TRLMethods, as_config, check_unsupported, divided, from_path_kwargs, setup_peft
 
 _F_DIVERGENCE_LOSSES = {"sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft"}
 
@@ -37,11 +37,7 @@ class DPOMethods(TRLMethods):
         set_seed(args.seed)  # as TRL: before the model and PEFT's random adapter weights
         model_path = model if isinstance(model, str) else None
         if model_path is not None:
-            kwargs = dict(args.model_init_kwargs or {})
-            if quantization_config is not None:
-                kwargs["quantization_config"] = quantization_config
-            kwargs.setdefault("trust_remote_code", args.trust_remote_code)
-            model = create_model_from_path(model_path, **kwargs)
+            model = create_model_from_path(model_path, **from_path_kwargs(args, quantization_config))
         elif quantization_config is not None:
             raise ValueError("quantization_config: only for a model given as a path")
         if ref_model is model:

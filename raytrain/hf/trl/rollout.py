@@ -26,7 +26,7 @@ from trl.trainer.utils import (add_fused_lm_head, create_model_from_path, disabl
 
 from ...strategies.base import unwrap_model
 from ..accelerator import Accelerator
-from .common import TRLMethods, as_config, setup_peft
+from .common import TRLMethods, as_config, from_path_kwargs, setup_peft
 from .config import refuse_config
 from .rewards import RewardMethods
 
@@ -205,11 +205,7 @@ class RolloutMethods(RewardMethods, TRLMethods):
             if args.model_init_kwargs is not None or quantization_config is not None:
                 logger.warning("model_init_kwargs / quantization_config are ignored: the model is already built")
             return model
-        kwargs = dict(args.model_init_kwargs or {})
-        if quantization_config is not None:
-            kwargs["quantization_config"] = quantization_config
-        kwargs.setdefault("trust_remote_code", args.trust_remote_code)
-        return create_model_from_path(model, **kwargs)
+        return create_model_from_path(model, **from_path_kwargs(args, quantization_config))
 
     def _reference(self, args: Any, quantization_config: Any) -> torch.nn.Module | None:
         """beta > 0: the adapter disabled under PEFT (None here), else TRL's reload of the model from its path, or
@@ -220,10 +216,7 @@ class RolloutMethods(RewardMethods, TRLMethods):
         if not path:
             ref = copy.deepcopy(self.model)
         else:
-            kwargs = dict(args.model_init_kwargs or {})
-            if quantization_config is not None:
-                kwargs["quantization_config"] = quantization_config
-            kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+            kwargs = from_path_kwargs(args, quantization_config)
             kwargs.setdefault("dtype", self.model.dtype)
             kwargs.setdefault("attn_implementation", self.model.config._attn_implementation)
             ref = create_model_from_path(path, **kwargs)

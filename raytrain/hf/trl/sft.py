@@ -16,7 +16,7 @@ from trl.data_utils import is_conversational
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 from trl.trainer.utils import add_fused_lm_head, create_model_from_path
 
-from .common import TRLMethods, as_config, check_unsupported, divided, setup_peft
+from .common import TRLMethods, as_config, check_unsupported, divided, from_path_kwargs, setup_peft
 
 
 class SFTMethods(TRLMethods):
@@ -142,11 +142,7 @@ class SFTMethods(TRLMethods):
     def _load_model(model: Any, args: Any, quantization_config: Any) -> torch.nn.Module:
         if not isinstance(model, str):
             return model
-        kwargs = dict(args.model_init_kwargs or {})
-        if quantization_config is not None:
-            kwargs["quantization_config"] = quantization_config
-        kwargs.setdefault("trust_remote_code", args.trust_remote_code)
-        return create_model_from_path(model, **kwargs)
+        return create_model_from_path(model, **from_path_kwargs(args, quantization_config))
 
     def _init_aux_loss(self, model: Any, args: Any) -> None:
         """TRL's switch (TRLMethods), which SFT also writes into the model's config."""
