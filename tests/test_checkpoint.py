@@ -10,8 +10,6 @@ import os
 import re
 import pickle
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -23,9 +21,8 @@ from examples.digits import build_model
 from raytrain import CheckpointError, Trainer, TrainingArguments, get_last_checkpoint
 from raytrain.checkpoint import store as ckpt
 from raytrain.checkpoint import io as checkpoint_io
-from tests.tiny import kill_when_paused
+from tests.tiny import ROOT, kill_at_save
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TESTS = os.path.dirname(os.path.abspath(__file__))
 FILES = {"model.safetensors", "optimizer.pt", "scheduler.pt", "rng_state.pth", "trainer_state.json",
          "training_args.json", "training_args.bin", "data_state.json", "loop_state.json", "manifest.json"}
@@ -175,12 +172,10 @@ def test_sigkill_during_save_leaves_previous_checkpoint_and_resume_is_bit_exact(
     """async: the kill lands while the background thread writes step 6 (the training thread has gone
     on, and waits for that write at the save of step 9)."""
     out, flag = tmp_path / "run", tmp_path / "paused"
-    env = {**os.environ, checkpoint_io.PAUSE_ENV: f"{flag}@6", "PYTHONPATH": os.pathsep.join([ROOT, TESTS])}
-    code = (f"from test_checkpoint import _subprocess_main; "
-            f"_subprocess_main({str(out)!r}, {torch.get_num_threads()}, {save_async})")
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    kill_when_paused(proc, flag, "the save of step 6")  # the writer is inside it: every file but the manifest
+    # paused inside the writer of step 6: every file but the manifest written
+    kill_at_save(f"from test_checkpoint import _subprocess_main; "
+                 f"_subprocess_main({str(out)!r}, {torch.get_num_threads()}, {save_async})", flag, 6,
+                 path=os.pathsep.join([ROOT, TESTS]))
     tmp = out / ".tmp-checkpoint-6"
     assert sorted(os.listdir(out)) == [".tmp-checkpoint-6", "checkpoint-3"]
     assert "model.safetensors" in os.listdir(tmp) and "manifest.json" not in os.listdir(tmp)

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import signal
+import subprocess
+import sys
 import time
 
 import torch
 from torch import nn
 
 from raytrain import TrainerCallback, TrainingArguments
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 
 
 class TinyClassifier(nn.Module):
@@ -53,6 +58,17 @@ class StopAt(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step >= self.step:
             control.should_training_stop = True
+
+
+def kill_at_save(code: str, flag, step: int, seconds: float = 120, path: str | None = None) -> None:
+    """Run `code` in a fresh Python (from the repository, `path` its PYTHONPATH: the repository by default)
+    whose save of `step` pauses (checkpoint_io.PAUSE_ENV), and SIGKILL it there."""
+    from raytrain.checkpoint import io as checkpoint_io
+
+    env = {**os.environ, checkpoint_io.PAUSE_ENV: f"{flag}@{step}", "PYTHONPATH": path or ROOT}
+    proc = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    kill_when_paused(proc, flag, f"the save of step {step}", seconds)
 
 
 def kill_when_paused(proc, flag, what: str, seconds: float = 120) -> None:

@@ -223,25 +223,17 @@ def test_sigkill_mid_buffer_then_resume_is_bit_exact_and_the_adapter_loads(tmp_p
     buffer, not new completions, and ends with the uninterrupted run's completions, rewards, losses, metrics and
     adapter; checkpoint-3 and final/ load with PeftModel.from_pretrained."""
     import os
-    import subprocess
-    import sys
 
     import torch
     from peft import PeftModel, get_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
     from raytrain import get_last_checkpoint
-    from raytrain.checkpoint import io as checkpoint_io
-    from tests.tiny import kill_when_paused
+    from tests.tiny import kill_at_save
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out, flag = tmp_path / "run", tmp_path / "paused"
-    env = {**os.environ, checkpoint_io.PAUSE_ENV: f"{flag}@6", "PYTHONPATH": root}
-    code = (f"from tests.hf.test_grpo import _killed_main; "
-            f"_killed_main({str(out)!r}, {tiny!r}, {torch.get_num_threads()})")
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=root, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
-    kill_when_paused(proc, flag, "the save of step 6", seconds=240)
+    kill_at_save(f"from tests.hf.test_grpo import _killed_main; "
+                 f"_killed_main({str(out)!r}, {tiny!r}, {torch.get_num_threads()})", flag, 6, seconds=240)
     assert get_last_checkpoint(str(out)) == str(out / "checkpoint-3")
     assert "trainer_rank_state.pth" in os.listdir(out / "checkpoint-3")
 

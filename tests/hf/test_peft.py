@@ -5,20 +5,17 @@ from_pretrained; resume is bit-exact, after a SIGKILL too; transformers' PEFT ch
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.tiny import kill_when_paused
+from tests.tiny import kill_at_save
 
 from . import corpus, scripts
 
 peft = pytest.importorskip("peft")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 ADAPTER = {"adapter_config.json", "adapter_model.safetensors"}
 
 
@@ -219,17 +216,13 @@ def _killed_main(out: str, threads: int, tokenizer_file: str) -> None:
 def test_sigkill_during_a_lora_save_then_resume_is_bit_exact(tmp_path):
     """Killed while checkpoint-6 is being written (every file but the manifest): the run resumes from
     checkpoint-3's adapter, optimizer and RNG (LoRA dropout on) and ends with the uninterrupted run's adapter."""
-    from raytrain.checkpoint import io as checkpoint_io
     from raytrain import get_last_checkpoint
 
     out, flag, tokenizer_file = tmp_path / "run", tmp_path / "paused", tmp_path / "tokenizer.json"
     tokenizer_file.write_text(corpus._tokenizer_json())
-    env = {**os.environ, checkpoint_io.PAUSE_ENV: f"{flag}@6", "PYTHONPATH": ROOT}
-    code = (f"from tests.hf.test_peft import _killed_main; "
-            f"_killed_main({str(out)!r}, {torch.get_num_threads()}, {str(tokenizer_file)!r})")
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
-    kill_when_paused(proc, flag, "the save of step 6", seconds=180)
+    kill_at_save(f"from tests.hf.test_peft import _killed_main; "
+                 f"_killed_main({str(out)!r}, {torch.get_num_threads()}, {str(tokenizer_file)!r})", flag, 6,
+                 seconds=180)
     assert ADAPTER <= set(os.listdir(out / ".tmp-checkpoint-6"))
     assert get_last_checkpoint(str(out)) == str(out / "checkpoint-3")
     tok = corpus.tokenizer()

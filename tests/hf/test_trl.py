@@ -168,24 +168,17 @@ def test_sigkill_during_a_save_then_resume_is_bit_exact_and_the_output_loads(tmp
     """Killed while checkpoint-4 is written: the run resumes from checkpoint-2 and ends with the uninterrupted
     run's adapter, losses and TRL metrics (num_tokens too); final/ loads with PeftModel.from_pretrained."""
     import os
-    import subprocess
-    import sys
 
     from peft import PeftModel
     from transformers import AutoTokenizer
 
     from examples.sft import build_model
     from raytrain import get_last_checkpoint
-    from raytrain.checkpoint import io as checkpoint_io
-    from tests.tiny import kill_when_paused
+    from tests.tiny import kill_at_save
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out, flag = tmp_path / "run", tmp_path / "paused"
-    env = {**os.environ, checkpoint_io.PAUSE_ENV: f"{flag}@4", "PYTHONPATH": root}
-    code = f"from tests.hf.test_trl import _killed_main; _killed_main({kind!r}, {str(out)!r}, {torch.get_num_threads()})"
-    proc = subprocess.Popen([sys.executable, "-c", code], env=env, cwd=root, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE)
-    kill_when_paused(proc, flag, "the save of step 4", seconds=240)
+    kill_at_save(f"from tests.hf.test_trl import _killed_main; "
+                 f"_killed_main({kind!r}, {str(out)!r}, {torch.get_num_threads()})", flag, 4, seconds=240)
     assert get_last_checkpoint(str(out)) == str(out / "checkpoint-2")
     make = jobs.sft_trainer if kind == "sft" else jobs.dpo_trainer
     keys = jobs.STEP_KEYS if kind == "sft" else jobs.DPO_KEYS
