@@ -188,6 +188,34 @@ class SimCluster:
         """Start a driver (this module's main) for `spec`; its result goes to spec["result"]."""
         return drive(spec, self.address, self.env())
 
+    def run(self, name: str, output_dir: str, storage: str | None, timeout: float = 420, during=None,
+            **spec) -> dict:
+        """A driver for one run, its result (asserted error-free); `during(sim, proc)` acts on the cluster
+        while it trains."""
+        result = os.path.join(self.base, f"{name}.json")
+        proc = self.drive({"result": result, "output_dir": output_dir, "storage": storage, **spec})
+        try:
+            if during is not None:
+                during(self, proc)
+            proc.wait(timeout)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        with open(result) as f:
+            out = json.load(f)
+        assert "error" not in out, out["error"]
+        return out
+
+    @staticmethod
+    def paused(flag: str, proc: subprocess.Popen, seconds: float = 400) -> str:
+        """Wait for the paused rank to write `flag`; the mount namespace it wrote there."""
+        deadline = time.time() + seconds
+        while not os.path.exists(flag):
+            assert proc.poll() is None and time.time() < deadline, "the rank never reached its pause"
+            time.sleep(0.5)
+        with open(flag) as f:
+            return f.read()
+
     def close(self) -> None:
         for proc, ns in self.nodes.values():
             kill_namespace(ns)

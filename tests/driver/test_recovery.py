@@ -56,30 +56,21 @@ def test_elastic_run_goes_on_at_once_after_a_node_loss_on_rays_default_health_ch
         sim.add_node("b")
         flag, ids, marks = (os.path.join(sim.storage, name) for name in ("lose", "ids", "marks"))
         os.makedirs(ids)
-        result = os.path.join(sim.base, "elastic.json")
-        proc = sim.drive({"result": result, "output_dir": os.path.join(sim.local, "elastic"), "max_steps": MAX_STEPS,
-                          "storage": os.path.join(sim.storage, "elastic"), "max_failures": 1, "elastic": True,
-                          "ids": ids, "marks": marks, "pause": {"rank": 1, "step": 12, "flag": flag}})
-        try:
-            deadline = time.time() + 400
-            while not os.path.exists(flag):
-                assert proc.poll() is None and time.time() < deadline, "the rank never reached its pause"
-                time.sleep(0.5)
-            with open(flag) as f:
-                ns = f.read()
-            lost_at = time.time()
+        loss = {}  # when the node was lost; when the GCS listed it dead (Ray's default: ~15 s)
+
+        def during(sim, proc):
+            ns = sim.paused(flag, proc)
+            loss["at"] = time.time()
             sim.lose(ns, wait=False)
-            listed_dead = None  # when the GCS listed the node dead (Ray's default: ~15 s)
-            while proc.poll() is None and time.time() < lost_at + 600:
-                if listed_dead is None and sim.alive_nodes() == 2:
-                    listed_dead = time.time() - lost_at
+            while proc.poll() is None and time.time() < loss["at"] + 600:
+                if "dead" not in loss and sim.alive_nodes() == 2:
+                    loss["dead"] = time.time() - loss["at"]
                 time.sleep(2)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-        with open(result) as f:
-            run = json.load(f)
-        assert "error" not in run, run["error"]
+
+        run = sim.run("elastic", os.path.join(sim.local, "elastic"), os.path.join(sim.storage, "elastic"),
+                      during=during, max_steps=MAX_STEPS, max_failures=1, elastic=True, ids=ids, marks=marks,
+                      pause={"rank": 1, "step": 12, "flag": flag})
+        lost_at, listed_dead = loss["at"], loss.get("dead")
         with open(marks) as f:
             after = [m for m in map(json.loads, f) if m[0] > lost_at]
         steps = trained_ids(ids)

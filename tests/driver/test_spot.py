@@ -37,24 +37,6 @@ def cluster():
         sim.close()
 
 
-def _run(sim: SimCluster, name: str, output_dir: str, storage: str | None, timeout: float = 420,
-         during=None, **spec) -> dict:
-    """A driver for one run; `during(sim, proc)` acts on the cluster while it trains."""
-    result = os.path.join(sim.base, f"{name}.json")
-    proc = sim.drive({"result": result, "output_dir": output_dir, "storage": storage, **spec})
-    try:
-        if during is not None:
-            during(sim, proc)
-        proc.wait(timeout)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    with open(result) as f:
-        out = json.load(f)
-    assert "error" not in out, out["error"]
-    return out
-
-
 def _storage_checkpoints(storage: str) -> list[str]:
     found = glob.glob(os.path.join(storage, "*", "*"))
     return sorted(p for p in found if os.path.isfile(os.path.join(p, ckpt.MANIFEST)))
@@ -73,12 +55,7 @@ def _lose_node_at(flag: str, replacement: str | None):
     """Once the paused rank has written `flag` (its mount namespace), lose its node, add another (unless None)."""
 
     def during(sim, proc):
-        deadline = time.time() + 400
-        while not os.path.exists(flag):
-            assert proc.poll() is None and time.time() < deadline, "the rank never reached its pause"
-            time.sleep(0.5)
-        with open(flag) as f:
-            sim.lose(f.read())
+        sim.lose(sim.paused(flag, proc))
         if replacement is not None:
             sim.add_node(replacement)
 
@@ -88,7 +65,7 @@ def _lose_node_at(flag: str, replacement: str | None):
 @pytest.fixture(scope="module")
 def reference(cluster):
     """The uninterrupted run with its output_dir on a disk every node shares."""
-    return _run(cluster, "reference", os.path.join(cluster.base, "shared", "out"), os.path.join(cluster.storage, "ref"))
+    return cluster.run("reference", os.path.join(cluster.base, "shared", "out"), os.path.join(cluster.storage, "ref"))
 
 
 @pytest.mark.timeout(600)  # the module's cluster starts first
@@ -115,7 +92,7 @@ def test_node_local_output_dir_trains_as_on_a_shared_disk(cluster, reference):
     weights, trainer_state.json and final/ in its own output_dir."""
     out_dir = os.path.join(cluster.local, "out")
     storage = os.path.join(cluster.storage, "local")
-    run = _run(cluster, "local", out_dir, storage)
+    run = cluster.run("local", out_dir, storage)
     assert run["global_step"] == 20 and run["digest"] == reference["digest"]
     assert run["logs"] == reference["logs"] and len(run["logs"]) == 20
     assert {"final", "trainer_state.json"} <= set(run["output_dir"])
@@ -131,7 +108,7 @@ def test_losing_a_ranks_node_resumes_from_storage_bit_exact(cluster, reference, 
     trainer_state.json and final/ on the driver's output_dir whichever node rank 0 ran on."""
     flag = os.path.join(cluster.storage, f"lose-rank{rank}")
     storage = os.path.join(cluster.storage, f"lost{rank}")
-    run = _run(cluster, f"lost{rank}", os.path.join(cluster.local, f"lost{rank}"), storage,
+    run = cluster.run(f"lost{rank}", os.path.join(cluster.local, f"lost{rank}"), storage,
                during=_lose_node_at(flag, replacement), max_failures=1, pause={"rank": rank, "step": 12, "flag": flag})
     assert run["global_step"] == 20 and run["digest"] == reference["digest"]
     assert run["logs"] == reference["logs"]
@@ -145,9 +122,9 @@ def test_lora_losing_rank_1s_node_resumes_its_adapter_from_storage_bit_exact(clu
     """The LoRA job (LoRA dropout on): rank 1's node and disk are lost after step 12; the restarted group
     resumes from the adapter checkpoint in storage and ends bit for bit as the uninterrupted run."""
     shared = os.path.join(cluster.base, "shared", "lora")
-    reference = _run(cluster, "lora_ref", shared, os.path.join(cluster.storage, "lora_ref"), lora=True)
+    reference = cluster.run("lora_ref", shared, os.path.join(cluster.storage, "lora_ref"), lora=True)
     flag, storage = os.path.join(cluster.storage, "lose-lora"), os.path.join(cluster.storage, "lora_lost")
-    run = _run(cluster, "lora_lost", os.path.join(cluster.local, "lora_lost"), storage, lora=True,
+    run = cluster.run("lora_lost", os.path.join(cluster.local, "lora_lost"), storage, lora=True,
                during=_lose_node_at(flag, "d"), max_failures=1, pause={"rank": 1, "step": 12, "flag": flag})
     assert run["global_step"] == 20 and run["digest"] == reference["digest"]
     assert run["logs"] == reference["logs"]
@@ -158,7 +135,7 @@ def test_lora_losing_rank_1s_node_resumes_its_adapter_from_storage_bit_exact(clu
 @pytest.fixture(scope="module")
 def fsdp_reference(cluster):
     """FSDP2, uninterrupted, its output_dir on a disk every node shares."""
-    return _run(cluster, "fsdp-reference", os.path.join(cluster.base, "shared", "fsdp"),
+    return cluster.run("fsdp-reference", os.path.join(cluster.base, "shared", "fsdp"),
                 os.path.join(cluster.storage, "fsdp-ref"), strategy="fsdp")
 
 
@@ -172,7 +149,7 @@ def test_fsdp_losing_rank_0s_node_resumes_from_storage(cluster, reference, fsdp_
     flag = os.path.join(cluster.storage, "lose-rank0")
     storage = os.path.join(cluster.storage, "fsdp")
     out_dir = os.path.join(cluster.local, "fsdp")
-    run = _run(cluster, "fsdp", out_dir, storage, during=_lose_node_at(flag, "d"), max_failures=1,
+    run = cluster.run("fsdp", out_dir, storage, during=_lose_node_at(flag, "d"), max_failures=1,
                strategy="fsdp", pause={"rank": 0, "step": 12, "flag": flag})
     assert run["global_step"] == 20
     assert run["digest"] == fsdp_reference["digest"] and run["logs"] == fsdp_reference["logs"]
@@ -190,7 +167,7 @@ def test_fsdp_losing_rank_1s_node_during_a_background_save(cluster, fsdp_referen
     last checkpoint every rank completed and ends bit for bit as the uninterrupted (synchronous) run."""
     flag = os.path.join(cluster.storage, "lose-rank1-fsdp-saving")
     storage = os.path.join(cluster.storage, "fsdp-saving")
-    run = _run(cluster, "fsdp-saving", os.path.join(cluster.local, "fsdp-saving"), storage,
+    run = cluster.run("fsdp-saving", os.path.join(cluster.local, "fsdp-saving"), storage,
                during=_lose_node_at(flag, "g"), max_failures=1, strategy="fsdp", save_async=True,
                pause={"rank": 1, "step": 15, "flag": flag, "at": "save"})
     assert run["global_step"] == 20
@@ -207,7 +184,7 @@ def test_losing_rank_1s_node_during_a_save_resumes_from_the_last_complete_checkp
     the group resumes from Ray's checkpoint-5 and ends bit for bit as the uninterrupted run."""
     flag = os.path.join(cluster.storage, "lose-rank1-saving")
     storage = os.path.join(cluster.storage, "saving")
-    run = _run(cluster, "saving", os.path.join(cluster.local, "saving"), storage, during=_lose_node_at(flag, "e"),
+    run = cluster.run("saving", os.path.join(cluster.local, "saving"), storage, during=_lose_node_at(flag, "e"),
                max_failures=1, save_async=True, pause={"rank": 1, "step": 15, "flag": flag, "at": "save"})
     assert run["global_step"] == 20 and run["digest"] == reference["digest"]
     assert run["logs"] == reference["logs"]
@@ -222,7 +199,7 @@ ZERO3 = {"strategy": "deepspeed", "deepspeed": {
 @pytest.fixture(scope="module")
 def zero3_reference(cluster):
     """ZeRO-3, uninterrupted, evaluating at every save with the first checkpoint the best."""
-    return _run(cluster, "zero3-reference", os.path.join(cluster.base, "shared", "zero3"),
+    return cluster.run("zero3-reference", os.path.join(cluster.base, "shared", "zero3"),
                 os.path.join(cluster.storage, "zero3-ref"), distributed=ZERO3, best=True)
 
 
@@ -239,7 +216,7 @@ def test_zero3_losing_rank_0s_node_during_a_save_ends_with_the_best_model(cluste
     name = "zero3-background" if save_async else "zero3"
     flag = os.path.join(cluster.storage, f"lose-rank0-{name}")
     storage = os.path.join(cluster.storage, name)
-    run = _run(cluster, name, os.path.join(cluster.local, name), storage,
+    run = cluster.run(name, os.path.join(cluster.local, name), storage,
                during=_lose_node_at(flag, "j" if save_async else "f"), save_async=save_async,
                max_failures=1, distributed=ZERO3, best=True, keep=2,
                pause={"rank": 0, "step": 15, "flag": flag, "at": "save"})
@@ -270,7 +247,7 @@ def test_elastic_group_shrinks_when_a_node_is_lost_and_grows_when_one_joins(clus
             time.sleep(0.5)
         sim.add_node("i")
 
-    run = _run(cluster, "elastic", os.path.join(cluster.local, "elastic"), os.path.join(cluster.storage, "elastic"),
+    run = cluster.run("elastic", os.path.join(cluster.local, "elastic"), os.path.join(cluster.storage, "elastic"),
                during=during, max_failures=1, elastic=True, worlds=worlds, hold={"world": 1, "step": 16},
                pause={"rank": 1, "step": 12, "flag": flag})
     assert run["global_step"] == 20
