@@ -179,6 +179,7 @@ class Pipeline:
         self.tied_names = [n for n, p in model.named_parameters(remove_duplicate=False) if p is tied]
         self.tied_trainable = tied is not None and tied.requires_grad
         self.tied_group: Any = None
+        self._tied_weight: torch.nn.Parameter | None = None
         self.sync_group: Any = None  # set: every rank builds a schedule when any needs one (FSDP's collectives)
         self._schedules: dict[tuple, Any] = {}
         self._loss: Callable | None = None
@@ -223,10 +224,11 @@ class Pipeline:
 
     # -- tied embeddings
     def tied_weight(self) -> torch.nn.Parameter | None:
-        """This rank's copy of the tied embedding weight when it holds the first or the last stage."""
-        if not self.tied_names or not (self.has_first or self.has_last):
-            return None
-        return dict(self.model.named_parameters()).get(self.tied_names[0])
+        """This rank's copy of the tied embedding weight when it holds the first or the last stage; looked up
+        once, at the first step (FSDP2 has replaced the parameters by then)."""
+        if self._tied_weight is None and self.tied_names and (self.has_first or self.has_last):
+            self._tied_weight = dict(self.model.named_parameters()).get(self.tied_names[0])
+        return self._tied_weight
 
     def sync_tied(self) -> None:
         """Sum the tied weight's gradient over its two ends (the embedding's on the first stage, the head's on
