@@ -101,6 +101,19 @@ class TRLMethods:
     def get_tp_size(self) -> int:
         return 1
 
+    def _place_frozen(self) -> None:
+        """The reference and reward models placed as TRL prepares them, once for the run's backend: sharded like
+        the policy under FSDP2 and ZeRO-3 (Strategy.place_frozen), else whole beside it."""
+        strategy = self.get_strategy()
+        if getattr(self, "_frozen_placed", None) == id(strategy):
+            return
+        if getattr(self, "ref_model", None) is not None:
+            self.ref_model = strategy.place_frozen(self.ref_model)
+        if hasattr(self, "reward_funcs"):
+            self.reward_funcs = [strategy.place_frozen(f) if isinstance(f, torch.nn.Module) else f
+                                 for f in self.reward_funcs]
+        self._frozen_placed = id(strategy)  # picklable, unlike the strategy
+
     def _set_aux_loss(self, model: Any, args: Any) -> Any:
         """TRL's MoE router auxiliary loss switch (off for models without router logits); the text config."""
         text_config = model.config.get_text_config()

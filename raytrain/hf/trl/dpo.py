@@ -153,10 +153,7 @@ class DPOMethods(TRLMethods):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """TRL's loss, a mean over this micro-batch: divided by the micro-batches and ranks of the step, whose
         sum (and DDP's x world size) raytrain's loop takes; HF's Trainer averages them instead."""
-        strategy = self.get_strategy()
-        if self.ref_model is not None and getattr(self, "_frozen_placed", None) != id(strategy):
-            self.ref_model = strategy.place_frozen(self.ref_model)  # sharded like the policy under FSDP2 / ZeRO-3
-            self._frozen_placed = id(strategy)  # picklable, unlike the strategy
+        self._place_frozen()  # on first use, by the run's backend
         out = self._compute_loss(model, inputs, return_outputs)
         share = self.args.gradient_accumulation_steps * self.accelerator.num_processes
         if share == 1 or not self.model.training:  # evaluation: each batch's mean, as raytrain gathers them

@@ -286,19 +286,8 @@ class RolloutMethods(RewardMethods, TRLMethods):
         return loss / n if n > 1 else loss
 
     def _generate_and_score_completions(self, inputs: list[dict]) -> dict:
-        if getattr(self, "_frozen_placed", None) != id(self.get_strategy()):  # on first use, by the run's backend
-            self._place_frozen()
+        self._place_frozen()  # on first use, by the run's backend
         return self._score(inputs)
-
-    def _place_frozen(self) -> None:
-        """The reference and reward models placed as TRL prepares them: sharded like the policy under FSDP2 and
-        ZeRO-3 (Strategy.place_frozen), else whole beside it."""
-        strategy = self.get_strategy()
-        if self.ref_model is not None:
-            self.ref_model = strategy.place_frozen(self.ref_model)
-        self.reward_funcs = [strategy.place_frozen(f) if isinstance(f, torch.nn.Module) else f
-                             for f in self.reward_funcs]
-        self._frozen_placed = id(strategy)  # picklable, unlike the strategy
 
     def _to_device(self, batch: Any) -> Any:
         return super(TRLMethods, self)._prepare_inputs(batch)  # the Trainer's: TRL's super()._prepare_inputs
