@@ -159,6 +159,11 @@ def config_from_yaml(path: str, overrides: list[str]) -> TrainingArguments | Non
     return None
 
 
+def async_fields() -> set[str]:
+    """AsyncGRPOConfig's own fields, reward_funcs and the rollout section included."""
+    return set(AsyncGRPOConfig.TRL_FIELDS) | {_REWARD_FUNCS[0], _ROLLOUT[0]}
+
+
 def rollout_fields() -> set[str]:
     """GRPOConfig's and RLOOConfig's own fields, reward_funcs included."""
     return set(GRPOConfig.TRL_FIELDS) | set(RLOOConfig.TRL_FIELDS) | {_REWARD_FUNCS[0]}

@@ -98,8 +98,10 @@ class RayRolloutPool:
                 del self.versions[old]
 
     def submit(self, request: Any) -> None:
+        """Queued in group order and sent at once to a free actor (from the caller's thread: no poll delay)."""
         with self._cond:
             bisect.insort(self.queue, (request.group, request), key=lambda item: item[0])
+            self._dispatch()
             self._cond.notify_all()
 
     def result(self, group: int) -> Any:

@@ -23,10 +23,10 @@ from trl.trainer.utils import (add_fused_lm_head, create_model_from_path, get_ca
                                identity)
 
 from ...callbacks.base import TrainerCallback
-from ...strategies.base import unwrap_model
+from ...strategies.base import frozen_names, unwrap_model
 from .common import TRLMethods, as_config, setup_peft
-from .engine import Sampling, TransformersEngine
-from .rollouts import LocalPool, ScheduledRollouts, samples_of
+from .engine import GroupRequest, Sampling, TransformersEngine
+from .rollouts import LocalPool, ScheduledRollouts, eval_metrics, samples_of
 from .rollouts_trl import WorkerRollouts
 from .schedule import Schedule
 
@@ -153,10 +153,10 @@ class AsyncGRPOMethods(TRLMethods):
         slots = Dataset.from_dict({"slot": list(range(self.args.max_steps * self._samples_per_step()))})
         return self._build_source(slots, self._train_batch_size, "train_dataset", shuffle=False, training=True)
 
-    def _keep_engine_model(self) -> None:
+    def _keep_engine_model(self, force: bool = False) -> None:
         """On the rank that drives the rollouts, before the backend wraps or shards the model: a copy to generate
         with, without the fused head (its forward is bound to the training model)."""
-        if (self._strategy is not None and self._strategy.rank != 0) or self.rollout_worker is not None:
+        if not force and ((self._strategy is not None and self._strategy.rank != 0) or self.rollout_worker is not None):
             return
         model = copy.deepcopy(unwrap_model(self.model)).cpu()
         for module in model.modules():
@@ -176,7 +176,7 @@ class AsyncGRPOMethods(TRLMethods):
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
         per_step = self._samples_per_step()
         slots = [row["slot"] for row in inputs]
-        step = slots[0] // per_step + 1
+        step = self.state.global_step + 1  # not the slots' (TRL's ignore_data_skip restarts the data at a resume)
         if step != self._samples_step:
             self._begin_step(step)
         batch = self._batch(slots, per_step)
@@ -209,7 +209,7 @@ class AsyncGRPOMethods(TRLMethods):
         if self.rollout_worker is not None:  # TRL's: the version counts the syncs, the first one at train begin
             self.model_version = self._rollout_source().sync(self._streamed_weights) if strategy.rank == 0 else 0
         else:
-            weights = strategy.model_state_dict(trainable_only=True)  # a collective; rank 0 gets the dict
+            weights = self._trainable_weights()
             if strategy.rank == 0:
                 self._rollout_source().publish(version, weights)
             self.model_version = version
@@ -235,12 +235,7 @@ class AsyncGRPOMethods(TRLMethods):
             if self._saved_rollouts is not None:
                 self._rollouts.load_state_dict(self._saved_rollouts)
             return self._rollouts
-        sampling = Sampling(num_generations=args.num_generations, max_completion_length=args.max_completion_length,
-                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                            repetition_penalty=args.repetition_penalty, chat_template_kwargs=args.chat_template_kwargs,
-                            threads=max(1, int(args.rollout.num_cpus_per_worker)))
-        engine = functools.partial(TransformersEngine, self._engine_model, self.processing_class, self.reward_funcs,
-                                   self.reward_func_names, sampling, self.eos_token_ids, args.max_steps)
+        engine = self._engine_factory()
         if args.rollout.num_workers == 0:
             pool = LocalPool(engine(), keep=args.max_staleness + 2)
         else:
@@ -257,8 +252,27 @@ class AsyncGRPOMethods(TRLMethods):
         self._saved_rollouts = None
         return self._rollouts
 
+    def _engine_factory(self) -> Callable[[], TransformersEngine]:
+        """What makes a TransformersEngine over the kept copy of the model, with the run's sampling settings (sent
+        to each rollout actor: it holds no trainer)."""
+        args = self.args
+        sampling = Sampling(num_generations=args.num_generations, max_completion_length=args.max_completion_length,
+                            temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                            repetition_penalty=args.repetition_penalty, chat_template_kwargs=args.chat_template_kwargs,
+                            threads=max(1, int(args.rollout.num_cpus_per_worker)))
+        return functools.partial(TransformersEngine, self._engine_model, self.processing_class, self.reward_funcs,
+                                 self.reward_func_names, sampling, self.eos_token_ids, args.max_steps)
+
     def _publish_now(self, version: int) -> None:
-        self._rollouts.publish(version, self.get_strategy().model_state_dict(trainable_only=True))
+        self._rollouts.publish(version, self._trainable_weights())
+
+    def _trainable_weights(self) -> dict | None:
+        """The trainable weights, whole (a collective once the backend placed the model; rank 0 gets the dict)."""
+        strategy = self.get_strategy()
+        if strategy.model is None:  # not trained yet: the model as given
+            frozen = frozen_names(self.model)
+            return {k: v.detach().cpu() for k, v in self.model.state_dict().items() if k not in frozen}
+        return strategy.model_state_dict(trainable_only=True)
 
     def _batch(self, slots: list[int], per_step: int) -> dict:
         """This rank's micro-batch, right-padded: shift_labels (the next token where it is a completion token, else
@@ -351,6 +365,53 @@ class AsyncGRPOMethods(TRLMethods):
                    for n, s in zip(lengths, samples)]
         m["completions/clipped_ratio"].append(sum(clipped) / len(clipped))
 
+    # ------------------------------------------------------------ evaluation: the eval prompts' groups, scored
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
+        """Each evaluation prompt's group generated by the current policy (on the rollout workers while they run,
+        else in rank 0's process; seeded by the prompt and the step) and scored: the mean reward, its spread
+        within groups, each function's mean and the completion length."""
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if isinstance(dataset, dict):
+            metrics = {}
+            for name, data in dataset.items():
+                metrics.update(self.evaluate(data, ignore_keys, f"{metric_key_prefix}_{name}"))
+            return metrics
+        if dataset is None:
+            raise ValueError("evaluate() needs an eval_dataset (given to the trainer or to evaluate)")
+        _check_dataset("eval_dataset", dataset, required=True)
+        strategy = self.get_strategy()
+        weights = self._trainable_weights()
+        metrics = None
+        if strategy.rank == 0:
+            metrics = eval_metrics(self._eval_groups(dataset, weights), self.reward_func_names, metric_key_prefix)
+        if strategy.world_size > 1:
+            metrics = strategy.broadcast_object(metrics)
+        super(TRLMethods, self).log(dict(metrics))
+        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
+        return metrics
+
+    def get_eval_dataloader(self, eval_dataset=None) -> list:
+        """The evaluation prompts' rows (evaluate() generates from them; they are no model inputs)."""
+        data = self.eval_dataset if eval_dataset is None else eval_dataset
+        if isinstance(data, str):
+            data = self.eval_dataset[data]
+        return [dict(row) for row in data]
+
+    def _eval_groups(self, dataset: Any, weights: dict) -> list:
+        done, schedule = self.state.global_step, self._schedule()
+        version = -1 - done  # apart from training's versions
+        pool = self._rollouts.pool if isinstance(self._rollouts, ScheduledRollouts) else self._eval_pool()
+        pool.publish(version, weights)
+        for i in range(len(dataset)):
+            pool.submit(GroupRequest(group=-1 - i, step=done + 1, prompt_index=i, version=version,
+                                     seed=schedule.eval_seed(i, done), row=dict(dataset[i])))
+        return [pool.result(-1 - i) for i in range(len(dataset))]
+
+    def _eval_pool(self) -> LocalPool:
+        if self._engine_model is None:
+            self._keep_engine_model(force=True)
+        return LocalPool(self._engine_factory()(), keep=1)
+
     # ------------------------------------------------------------ exact resume: rank 0 keeps the rollouts' state
     def rank_state(self) -> dict:
         state = {"metrics": {k: list(v) for k, v in self._metrics["train"].items()}}
@@ -383,7 +444,11 @@ class AsyncGRPOMethods(TRLMethods):
         self._metrics[mode].clear()
 
     def stop_rollouts(self) -> None:
+        """The rollout pool stopped; what it generated and when, kept (rollout_timeline: (step, group, worker,
+        started, finished), wall-clock seconds, on rank 0)."""
         if self._rollouts is not None:
+            self.rollout_timeline = list(getattr(self._rollouts, "timeline", []))
+            self.rollout_restarts = getattr(getattr(self._rollouts, "pool", None), "restarts", 0)
             self._rollouts.stop()
         self._rollouts = None
 

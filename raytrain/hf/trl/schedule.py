@@ -45,6 +45,11 @@ class Schedule:
         sequence = np.random.SeedSequence([self.seed, self.prompt_index(group), group])
         return int(sequence.generate_state(1, np.uint64)[0] >> np.uint64(1))
 
+    def eval_seed(self, prompt_index: int, done_steps: int) -> int:
+        """The seed of evaluation prompt `prompt_index`'s group after `done_steps` steps (apart from training's)."""
+        sequence = np.random.SeedSequence([self.seed, 1, prompt_index, done_steps])
+        return int(sequence.generate_state(1, np.uint64)[0] >> np.uint64(1))
+
     def last_ready_step(self, published: int, limit: int) -> int:
         """The last step up to `limit` whose groups the versions published so far can generate (0: none):
         version(m) <= published exactly when m <= (published + max_staleness + 1) x weight_sync_steps."""
