@@ -63,7 +63,7 @@ class RayRolloutPool:
         self.queue: list[tuple[int, Any]] = []  # (group, request), in group order
         self.inflight: dict[Any, tuple[int, Any]] = {}  # ref -> (actor, request)
         self.busy_since: dict[int, float] = {}
-        self.down: dict[int, Any] = {}  # actor -> its ping (None: not sent yet)
+        self.down: dict[int, Any] = dict.fromkeys(range(len(self.actors)))  # actor -> its ping; up once it answers
         self.results: dict[int, Any] = {}
         self.error: BaseException | None = None
         self.restarts = 0
@@ -82,7 +82,7 @@ class RayRolloutPool:
         try:
             return ray.remote(RolloutActor).options(**options).remote(name)
         except ValueError:  # the name is another run's (in this Ray namespace): this run's actor gets a suffix
-            unique = f"{name}-{os.getpid()}"
+            unique = f"{name}-{os.getpid()}-{time.monotonic_ns() % 10**6}"
             logger.warning("a Ray actor named %s exists already: this run's is %s", name, unique)
             self.names[self.names.index(name)] = unique
             return ray.remote(RolloutActor).options(**{**options, "name": unique}).remote(unique)
@@ -121,11 +121,18 @@ class RayRolloutPool:
             return self.results.pop(group)
 
     def _where(self, group: int) -> str:
+        import ray
+
         for actor, request in self.inflight.values():
             if request.group == group:
                 return f"on {self.names[actor]}"
         alive = len(self.actors) - len(self.down)
-        return f"queued; {alive} of {len(self.actors)} rollout actors up"
+        where = f"queued; {alive} of {len(self.actors)} rollout actors up"
+        if alive < len(self.actors):
+            free = ray.available_resources()
+            where += (f"; Ray starts the others where there is room (free now: {free.get('CPU', 0):g} CPUs, "
+                      f"{free.get('GPU', 0):g} GPUs)")
+        return where
 
     def stop(self) -> None:
         import ray
@@ -136,6 +143,14 @@ class RayRolloutPool:
         self._thread.join(timeout=10)
         for actor in self.actors:
             ray.kill(actor, no_restart=True)
+        deadline = time.monotonic() + 30  # their names free for the next pool (a next train() or trial)
+        for name in self.names:
+            while time.monotonic() < deadline:
+                try:
+                    ray.get_actor(name)
+                except ValueError:
+                    break
+                time.sleep(0.1)
 
     def pids(self) -> list[int]:
         import ray
@@ -157,6 +172,7 @@ class RayRolloutPool:
                     self._cond.wait(self.poll_s)
                 self._check_down()
                 continue
+            self._check_down()  # pings not sent yet (an actor just lost) go out now
             ready, _ = ray.wait(refs, num_returns=1, timeout=self.poll_s, fetch_local=False)
             with self._cond:
                 for ref in ready:
@@ -242,7 +258,8 @@ class RayRolloutPool:
                     try:
                         ray.get(ping)
                         del self.down[actor]
-                        logger.info("rollout actor %s is back", self.names[actor])
+                        self.busy_since[actor] = time.monotonic()
+                        logger.info("rollout actor %s is up", self.names[actor])
                         self._cond.notify_all()
                     except RayError:
                         self.down[actor] = None

@@ -228,6 +228,9 @@ class AsyncGRPOMethods(TRLMethods):
         engine here with rollout.num_workers 0, Ray actors otherwise)."""
         if self._rollouts is not None:
             return self._rollouts
+        for callback in self.callback_handler.callbacks:  # this trainer (a Ray worker's copy) stops its own pool
+            if isinstance(callback, _StopRollouts):
+                callback.trainer = self
         args = self.args
         if self.rollout_worker is not None:
             self._rollouts = WorkerRollouts(self.rollout_worker, self.weight_transfer, self._samples_per_step(),
