@@ -50,6 +50,7 @@ RUN_BY_RAY_TEST = {
     "llm_workers.sh": ("tests/hf/test_lora_example.py", "8 steps of 8 blocks of 32 bytes"),
     "llm_sweep.sh": ("tests/hf/test_lora_example.py", "--set search.num_samples=2, 8 steps"),
     "grpo_cli.sh": ("tests/hf/test_grpo_cli.py", "--set max_steps=2, in a subprocess"),  # no Ray: as users run it
+    "grpo_async_cli.sh": ("tests/hf/test_async_grpo_on_ray.py", "--set max_steps=3, in a subprocess on the cluster"),
 }
 # snippet -> why it is only checked
 CHECKED = {

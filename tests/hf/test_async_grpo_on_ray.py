@@ -112,3 +112,70 @@ def test_two_trainer_workers_with_two_actors_match_one_process(ray_cluster, refe
         assert all(torch.allclose(weights[k], reference["weights"][k], atol=1e-5) for k in weights), name
         first, last = (sum(e["reward"] for e in part) / 3 for part in (logs[:3], logs[-3:]))
         assert last > first, (name, [e["reward"] for e in logs])
+
+
+@pytest.mark.timeout(600)
+def test_the_cli_runs_examples_grpo_async_yaml_on_two_actors(ray_cluster, tmp_path):
+    """docs/snippets/grpo_async_cli.sh as shown, shorter (3 steps), in a subprocess on this cluster: the rollout
+    section makes an AsyncGRPOConfig, the two actors generate, the adapter loads with PEFT."""
+    import json
+    import shlex
+    import subprocess
+    import sys
+
+    from peft import PeftModel
+
+    from examples.sft import build_model
+    from raytrain.checkpoint.store import load_pickle
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "docs", "snippets", "grpo_async_cli.sh")) as f:
+        (shown,) = [shlex.split(line) for line in f if line.strip() and not line.startswith("#")]
+    assert shown[:3] == ["python", "-m", "raytrain.run"]
+    out = tmp_path / "run"
+    argv = [*shown[3:], "--set", f"output_dir={out}", "--set", "max_steps=3", "--set", "eval_steps=3",
+            "--set", "save_steps=3", "--set", "logging_steps=1", "--set", "data.n_train=8", "--set", "data.n_eval=2",
+            "--set", "rollout.num_cpus_per_worker=0.5", "--no-report"]
+    env = {**os.environ, "PYTHONPATH": root, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
+    done = subprocess.run([sys.executable, "-m", "raytrain.run", *argv], cwd=root, capture_output=True, text=True,
+                          timeout=500, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(done.stdout.split("summary: ")[-1].splitlines()[0])
+    assert summary["global_step"] == 3 and summary["eval_reward"] == pytest.approx(
+        summary["eval_rewards/correct_sum/mean"] + summary["eval_rewards/brevity/mean"], abs=1e-6)
+    state = json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())
+    logged = [e for e in state["log_history"] if "loss" in e]
+    assert [e["sample/staleness_max"] for e in logged] == [0.0, 1.0, 1.0]
+    args = json.loads((out / "checkpoint-3" / "training_args.json").read_text())
+    assert args["rollout"]["num_workers"] == 2 and args["max_staleness"] == 1
+    assert "rollouts" in load_pickle(str(out / "checkpoint-3" / "trainer_rank_state.pth"))
+    PeftModel.from_pretrained(build_model(), str(out / "final"))
+
+
+@pytest.mark.timeout(600)
+def test_a_two_trial_sweep_sets_each_trial_up_and_reports_its_mean_eval_reward(ray_cluster, tmp_path):
+    """hyperparameter_search with model_init (Ray Tune + Optuna): each trial its own max_staleness and learning rate,
+    its own rollout actor, its objective the mean reward of its evaluation, maximized."""
+    import json
+
+    import pandas as pd
+
+    from examples.sft import build_model
+
+    t = jobs.trainer(str(tmp_path / "out"), workers=1, max_steps=2, eval_strategy="steps", eval_steps=2,
+                     save_strategy="steps", save_steps=2)
+    trainer = type(t)(model_init=build_model, reward_funcs=[jobs.low_ids], args=t.args, train_dataset=t.train_dataset,
+                      eval_dataset=t.eval_dataset, processing_class=t.processing_class)
+    space = {"max_staleness": {"choice": [0, 1]}, "learning_rate": {"loguniform": [1e-3, 1e-2]}}
+    best = trainer.hyperparameter_search(space, backend="ray", n_trials=2, scheduler="none", seed=4,
+                                         max_concurrent_trials=2, name="async", plots=False)
+    table = pd.read_csv(tmp_path / "out" / "sweeps" / "async" / "trials.csv", dtype={"trial_id": str})
+    assert list(table["status"]) == ["finished", "finished"] and set(table["max_staleness"]) == {0, 1}, table
+    assert best.objective == table["objective"].max()
+    for _, row in table.iterrows():
+        trial = tmp_path / "out" / "sweeps" / "async" / f"trial_{row['trial_id']}"
+        state = json.loads((trial / "checkpoint-2" / "trainer_state.json").read_text())
+        logs = [e for e in state["log_history"] if "loss" in e]
+        assert [e["sample/staleness_max"] for e in logs] == [0.0, float(row["max_staleness"])]
+        evaluation = next(e for e in state["log_history"] if "eval_reward" in e)
+        assert row["objective"] == pytest.approx(evaluation["eval_reward"])

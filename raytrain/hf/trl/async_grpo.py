@@ -127,6 +127,13 @@ class AsyncGRPOMethods(TRLMethods):
                         weight_sync_steps=args.weight_sync_steps)
 
     # ------------------------------------------------------------ sweeps: a fresh model set up as __init__ does
+    def actor_bundles(self) -> list[dict]:
+        """The rollout actors' resources, reserved beside a sweep trial's own (its placement group holds them)."""
+        rollout = self.args.rollout
+        bundle = {"CPU": rollout.num_cpus_per_worker, "GPU": rollout.num_gpus_per_worker,
+                  **(rollout.resources_per_worker or {})}
+        return [{k: v for k, v in bundle.items() if v}] * rollout.num_workers if self.rollout_worker is None else []
+
     def _rebuild(self, args: Any, model: Any, callbacks: list | None = None) -> None:
         self.forget_caches()
         self._setup_async(model, args, callbacks, (None, None), self.model_init, **self._inputs)
