@@ -80,7 +80,6 @@ def test_evaluation_is_the_same_twice_and_on_any_pool(reference, tmp_path):
 
 
 @pytest.mark.parametrize("kw, message", [
-    ({"vllm_server_base_url": "http://x:8000"}, "vllm_server_base_url: only for a vLLM server"),
     ({"token_budget": 256}, "token_budget: token-budgeted packing"),
     ({"max_tool_calling_iterations": 2}, "max_tool_calling_iterations: tool calling is not run"),
     ({"num_generations": 3}, "num_generations: the samples of a step"),
@@ -108,13 +107,17 @@ def test_trainer_arguments_it_does_not_run_are_refused_in_one_line(tmp_path):
     from examples.sft import build_model
 
     cases = [({"tools": [print]}, "tools: not supported"),
+             ({"args": "vllm"}, "vllm_server_base_url: only for a vLLM server"),
              ({"environment_factory": object}, "environment_factory: not supported"),
              ({"reward_funcs": "some/reward-model"}, "reward_funcs[0]: AsyncGRPOTrainer takes reward functions"),
              ({"train_dataset": Dataset.from_list([{"question": "1+1"}])}, "train_dataset: no 'prompt' column"),
-             ({"train_dataset": None}, "train_dataset is required")]
+             ({"train_dataset": None}, "`train_dataset` is required")]
     for kw, message in cases:
         with pytest.raises((ValueError, TypeError)) as e:
             t = jobs.trainer(str(tmp_path), max_steps=1)
+            if kw.get("args") == "vllm":
+                kw = {"args": type(t.args)(**{**jobs.RUN, "output_dir": str(tmp_path),
+                                               "vllm_server_base_url": "http://x:8000"})}
             type(t)(build_model(), **{"reward_funcs": jobs.low_ids, "args": t.args, "train_dataset": t.train_dataset,
                                       "processing_class": t.processing_class, **kw})
         assert message in str(e.value) and "\n" not in str(e.value), (kw, str(e.value))

@@ -24,16 +24,19 @@ from trl.trainer.utils import (add_fused_lm_head, create_model_from_path, get_ca
 
 from ...callbacks.base import TrainerCallback
 from ...strategies.base import frozen_names, unwrap_model
+from .async_eval import AsyncEvalMethods, check_dataset
+from .async_loss import AsyncLossMethods, plain
 from .common import TRLMethods, as_config, setup_peft
-from .engine import GroupRequest, Sampling, TransformersEngine
-from .rollouts import LocalPool, ScheduledRollouts, eval_metrics, samples_of
+from .config import refuse_vllm
+from .engine import Sampling, TransformersEngine
+from .rollouts import LocalPool, ScheduledRollouts, samples_of
 from .rollouts_trl import WorkerRollouts
 from .schedule import Schedule
 
 logger = logging.getLogger(__name__)
 
 
-class AsyncGRPOMethods(TRLMethods):
+class AsyncGRPOMethods(AsyncLossMethods, AsyncEvalMethods, TRLMethods):
     """TRL's AsyncGRPOTrainer arguments and behaviour; `config_class` (the facade's AsyncGRPOConfig) converts plain
     args, `_pool_class` (the facade's: Ray actors) runs the engines when rollout.num_workers > 0."""
 
@@ -65,8 +68,10 @@ class AsyncGRPOMethods(TRLMethods):
             self.model_init = model_init
             model = super().call_model_init()
         args = as_config(self.config_class, args, model, "AsyncGRPO")
-        _check_dataset("train_dataset", train_dataset, required=True)
-        _check_dataset("eval_dataset", eval_dataset, required=False)
+        check_dataset("train_dataset", train_dataset, required=True)
+        check_dataset("eval_dataset", eval_dataset, required=False)
+        if rollout_worker is None:
+            refuse_vllm(args)
         if args.use_liger_kernel:
             raise ValueError("use_liger_kernel: not supported by AsyncGRPOTrainer (TRL's neither)")
         set_seed(args.seed)  # as TRL: before the model and PEFT's random adapter weights
@@ -104,13 +109,19 @@ class AsyncGRPOMethods(TRLMethods):
         super().__init__(model=model, args=args, data_collator=identity, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class,
                          callbacks=callbacks, optimizers=optimizers)
-        self.add_callback(_StopRollouts(self))
-        if self.args.max_steps <= 0:  # TRL's: the epochs over the prompts, in steps (one row per completion here)
-            groups = math.ceil(self.args.num_train_epochs * len(train_dataset))
-            self.args.max_steps = max(1, math.ceil(groups * args.num_generations / self._samples_per_step()))
+        self.add_callback(_RolloutControl(self))
+        self._epoch_groups = None
+        if self.args.max_steps <= 0:  # TRL's: the epochs over the prompts, in steps
+            self._epoch_groups = math.ceil(self.args.num_train_epochs * len(train_dataset))
+            # a TRL rollout worker may give several rows per completion (TRL's ceiling of 32; the epochs then end
+            # when that many distinct groups are trained); the schedule gives exactly one
+            rows = 1 if rollout_worker is None else 32
+            samples = self._epoch_groups * args.num_generations * rows
+            self.args.max_steps = max(1, math.ceil(samples / self._samples_per_step()))
         self.model_init = model_init
         self._rollouts = self._saved_rollouts = self._published = None
-        self._step_samples, self._samples_step = [], 0
+        self._step_samples, self._samples_step, self._epoch_done = [], 0, False
+        self._trained_groups, self._groups_before_resume = set(), 0
         self._engine_model = None
         self.model.add_model_tags(self._tag_names)
 
@@ -181,12 +192,19 @@ class AsyncGRPOMethods(TRLMethods):
 
     # ------------------------------------------------------------ the step: this rank's samples of the step
     def training_step(self, model, inputs, num_items_in_batch=None) -> torch.Tensor:
-        per_step = self._samples_per_step()
-        slots = [row["slot"] for row in inputs]
-        step = self.state.global_step + 1  # not the slots' (TRL's ignore_data_skip restarts the data at a resume)
-        if step != self._samples_step:
-            self._begin_step(step)
-        batch = self._batch(slots, per_step)
+        """This rank's micro-batch of the step's samples (the step from global_step: TRL's ignore_data_skip
+        restarts the slots at a resume), then raytrain's forward and backward."""
+        step = self.state.global_step + 1
+        if self.rollout_worker is not None:
+            batch = self._worker_micro(step)
+        else:
+            if step != self._samples_step:
+                self._begin_step(step)
+            per_step, slots = self._samples_per_step(), [row["slot"] for row in inputs]
+            ranks = self.get_strategy().dp_size
+            k = (slots[0] % per_step) // (len(slots) * ranks)  # the micro-batch's index in the step
+            micro = self._step_samples[k * len(slots) * ranks:(k + 1) * len(slots) * ranks]
+            batch = self._pack([self._step_samples[i % per_step] for i in slots], micro)
         return super().training_step(model, batch, num_items_in_batch)
 
     def _begin_step(self, step: int) -> None:
@@ -201,20 +219,43 @@ class AsyncGRPOMethods(TRLMethods):
         samples = None
         if strategy.rank == 0:
             rollouts = self._rollout_source()
-            samples = rollouts.take(step)
-            if self.rollout_worker is None:
-                samples = samples_of(samples, self.reward_func_names, RolloutSample)
+            samples = samples_of(rollouts.take(step), self.reward_func_names, RolloutSample)
             self._metrics["train"]["perf/rollout_wait_s"].append(rollouts.waited)
         if strategy.world_size > 1:
             samples = strategy.broadcast_object(samples)
-        self._step_samples, self._samples_step = samples, step
-        self._record(samples, self.model_version)
+        self._record_step(samples, self.model_version)
+        self._step_samples, self._samples_step = [plain(s) for s in samples], step
+
+    def _worker_micro(self, step: int) -> dict:
+        """A TRL rollout worker's micro-batch (TRL's planner over its queue, one row per rank), synced as TRL syncs:
+        at the first step, then after every weight_sync_steps steps; the epochs counted in distinct groups."""
+        strategy = self.get_strategy()
+        if step != self._samples_step:
+            if self._published is None or (step - 1) % self.args.weight_sync_steps == 0:
+                self._publish(step)
+            self._samples_step = step
+        rows, done = None, False
+        if strategy.rank == 0:
+            rows = self._rollout_source().take_micro()
+            self._trained_groups.update(s["group_id"] for row in rows for s in row)
+            done = self._epoch_groups is not None and \
+                self._groups_before_resume + len(self._trained_groups) >= self._epoch_groups
+            self._record_micro([s["metrics"] for row in rows for s in row])
+        if strategy.world_size > 1:
+            rows, done = strategy.broadcast_object((rows, done))
+        self._epoch_done = done
+        rows = [[plain(s) for s in row] for row in rows]
+        return self._pack(rows[strategy.dp_rank], [s for row in rows for s in row])
 
     def _publish(self, version: int) -> None:
         start = time.perf_counter()
         strategy = self.get_strategy()
         if self.rollout_worker is not None:  # TRL's: the version counts the syncs, the first one at train begin
-            self.model_version = self._rollout_source().sync(self._streamed_weights) if strategy.rank == 0 else 0
+            if strategy.rank == 0:
+                self.model_version = self._rollout_source().sync(self._streamed_weights)
+            else:
+                for _ in self._streamed_weights():  # the collectives of a sharded backend's whole parameters
+                    pass
         else:
             weights = self._trainable_weights()
             if strategy.rank == 0:
@@ -236,12 +277,13 @@ class AsyncGRPOMethods(TRLMethods):
         if self._rollouts is not None:
             return self._rollouts
         for callback in self.callback_handler.callbacks:  # this trainer (a Ray worker's copy) stops its own pool
-            if isinstance(callback, _StopRollouts):
+            if isinstance(callback, _RolloutControl):
                 callback.trainer = self
         args = self.args
         if self.rollout_worker is not None:
-            self._rollouts = WorkerRollouts(self.rollout_worker, self.weight_transfer, self._samples_per_step(),
-                                            args.max_staleness, args.heartbeat_stale_after_s)
+            self._rollouts = WorkerRollouts(self.rollout_worker, self.weight_transfer, self.get_strategy().dp_size,
+                                            args.per_device_train_batch_size, args.token_budget, args.max_staleness,
+                                            args.heartbeat_stale_after_s, self._metrics["train"], args.report_to)
             if self._saved_rollouts is not None:
                 self._rollouts.load_state_dict(self._saved_rollouts)
             return self._rollouts
@@ -284,148 +326,11 @@ class AsyncGRPOMethods(TRLMethods):
             return {k: v.detach().cpu() for k, v in self.model.state_dict().items() if k not in frozen}
         return strategy.model_state_dict(trainable_only=True)
 
-    def _batch(self, slots: list[int], per_step: int) -> dict:
-        """This rank's micro-batch, right-padded: shift_labels (the next token where it is a completion token, else
-        -100), the behaviour log-probs and advantages at those positions, the micro-batch's tokens on all ranks."""
-        b, ranks = len(slots), self.get_strategy().dp_size
-        k = (slots[0] % per_step) // (b * ranks)
-        micro = self._step_samples[k * b * ranks:(k + 1) * b * ranks]
-        mine = [self._step_samples[s % per_step] for s in slots]
-        length = max(len(s.input_ids) for s in mine)
-        pad = self.processing_class.pad_token_id
-        ids = torch.full((b, length), pad, dtype=torch.long)
-        attention = torch.zeros((b, length), dtype=torch.long)
-        labels = torch.full((b, length), -100, dtype=torch.long)
-        old = torch.zeros((b, length), dtype=torch.float32)
-        for i, s in enumerate(mine):
-            n = len(s.input_ids)
-            row, mask = torch.as_tensor(s.input_ids), torch.as_tensor(s.completion_mask).bool()
-            ids[i, :n], attention[i, :n] = row, 1
-            target = mask[1:]
-            labels[i, :n - 1] = torch.where(target, row[1:], -100)
-            old[i, :n - 1] = torch.as_tensor(s.old_log_probs[1:]) * target
-        batch = {"input_ids": ids, "attention_mask": attention, "shift_labels": labels, "old_log_probs": old,
-                 "advantages": torch.tensor([s.advantage for s in mine], dtype=torch.float32),
-                 "global_n_tokens": torch.tensor(float(sum(int(s.completion_mask.sum()) for s in micro)))}
-        return self._prepare_inputs(batch)
-
-    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """TRL's AsyncGRPO loss: -min(r A, clip(r, 1 - epsilon, 1 + epsilon_high) A) per completion token, r the ratio
-        to the behaviour policy; this rank's share of the micro-batch's token mean (all ranks' tokens), over the
-        accumulation steps; MoE's auxiliary loss weighted as TRL does."""
-        router = {"output_router_logits": True} if self.aux_loss_enabled else {}
-        out = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"],
-                    shift_labels=inputs["shift_labels"], fused_lm_head=True, **router)
-        mask = inputs["shift_labels"] != -100
-        log_probs, entropy = out.log_probs[mask], out.entropy[mask]
-        old = inputs["old_log_probs"][mask]
-        adv = inputs["advantages"].unsqueeze(1).expand_as(mask)[mask]
-        log_ratio = log_probs - old
-        coef_1 = torch.exp(log_ratio)
-        coef_2 = torch.clamp(coef_1, 1 - self.epsilon_low, 1 + self.epsilon_high)
-        per_token = -torch.min(coef_1 * adv, coef_2 * adv)
-        ga = self.args.gradient_accumulation_steps
-        loss = per_token.sum() / inputs["global_n_tokens"].clamp(min=1.0) / ga
-        strategy = self.get_strategy()
-        if self.aux_loss_enabled:
-            loss = loss + self.router_aux_loss_coef * out.aux_loss / ga / strategy.dp_size
-        self._loss_metrics(coef_1, log_ratio, entropy, adv, strategy)
-        return (loss, out) if return_outputs else loss
-
-    @torch.no_grad()
-    def _loss_metrics(self, coef_1, log_ratio, entropy, adv, strategy) -> None:
-        """TRL's ratio, kl, entropy and clip ratios over every rank's tokens (one sum and one max all-reduce)."""
-        low = (coef_1 < 1 - self.epsilon_low) & (adv < 0)
-        high = (coef_1 > 1 + self.epsilon_high) & (adv > 0)
-        sums = torch.stack([coef_1.sum(), ((coef_1 - 1) - log_ratio).sum(), entropy.sum(), low.float().sum(),
-                            high.float().sum(), (low | high).float().sum(), torch.tensor(float(coef_1.numel()))])
-        extremes = torch.stack([-(low.float().mean() if low.numel() else torch.tensor(math.nan)),
-                                high.float().mean() if high.numel() else torch.tensor(math.nan)])
-        if strategy.world_size > 1:
-            sums, extremes = strategy.all_reduce(sums), strategy.all_reduce(extremes, op="max")
-        count = max(float(sums[6]), 1.0)
-        m = self._metrics["train"]
-        for i, key in enumerate(("ratio", "kl", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
-                                 "clip_ratio/region_mean")):
-            m[key].append(float(sums[i]) / count)
-        m["clip_ratio/low_min"].append(-float(extremes[0]))
-        m["clip_ratio/high_max"].append(float(extremes[1]))
-
-    def _record(self, samples: list, version: int) -> None:
-        """The step's sample metrics (TRL's names; rewards as GRPO logs them), once per step on every rank."""
-        m = self._metrics["train"]
-        stale = [version - s.model_version for s in samples]
-        m["sample/staleness_mean"].append(sum(stale) / len(stale))
-        m["sample/staleness_max"].append(float(max(stale)))
-        m["sample/dropped_stale_total"].append(float(getattr(self._rollouts, "dropped", 0)))
-        for key in dict.fromkeys(k for s in samples for k in s.metrics):
-            values = [s.metrics[key] for s in samples if key in s.metrics and not math.isnan(s.metrics[key])]
-            mean = sum(values) / len(values) if values else math.nan
-            if key.startswith("rewards/"):
-                std = torch.tensor(values).std().item() if len(values) > 1 else math.nan
-                m[f"{key}/mean"].append(mean)
-                m[f"{key}/std"].append(std)
-            else:
-                m[key].append(mean)
-        lengths = [int(s.completion_mask.sum()) for s in samples]
-        m["completions/mean_length"].append(sum(lengths) / len(lengths))
-        m["completions/min_length"].append(float(min(lengths)))
-        m["completions/max_length"].append(float(max(lengths)))
-        clipped = [n >= self.args.max_completion_length and int(s.input_ids[-1]) not in self.eos_token_ids
-                   for n, s in zip(lengths, samples)]
-        m["completions/clipped_ratio"].append(sum(clipped) / len(clipped))
-
-    # ------------------------------------------------------------ evaluation: the eval prompts' groups, scored
-    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
-        """Each evaluation prompt's group generated by the current policy (on the rollout workers while they run,
-        else in rank 0's process; seeded by the prompt and the step) and scored: the mean reward, its spread
-        within groups, each function's mean and the completion length."""
-        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
-        if isinstance(dataset, dict):
-            metrics = {}
-            for name, data in dataset.items():
-                metrics.update(self.evaluate(data, ignore_keys, f"{metric_key_prefix}_{name}"))
-            return metrics
-        if dataset is None:
-            raise ValueError("evaluate() needs an eval_dataset (given to the trainer or to evaluate)")
-        _check_dataset("eval_dataset", dataset, required=True)
-        strategy = self.get_strategy()
-        weights = self._trainable_weights()
-        metrics = None
-        if strategy.rank == 0:
-            metrics = eval_metrics(self._eval_groups(dataset, weights), self.reward_func_names, metric_key_prefix)
-        if strategy.world_size > 1:
-            metrics = strategy.broadcast_object(metrics)
-        super(TRLMethods, self).log(dict(metrics))
-        self.control = self.callback_handler.on_evaluate(self.args, self.state, self.control, metrics)
-        return metrics
-
-    def get_eval_dataloader(self, eval_dataset=None) -> list:
-        """The evaluation prompts' rows (evaluate() generates from them; they are no model inputs)."""
-        data = self.eval_dataset if eval_dataset is None else eval_dataset
-        if isinstance(data, str):
-            data = self.eval_dataset[data]
-        return [dict(row) for row in data]
-
-    def _eval_groups(self, dataset: Any, weights: dict) -> list:
-        done, schedule = self.state.global_step, self._schedule()
-        version = -1 - done  # apart from training's versions
-        pool = self._rollouts.pool if isinstance(self._rollouts, ScheduledRollouts) else self._eval_pool()
-        pool.publish(version, weights)
-        for i in range(len(dataset)):
-            pool.submit(GroupRequest(group=-1 - i, step=done + 1, prompt_index=i, version=version,
-                                     seed=schedule.eval_seed(i, done), row=dict(dataset[i])))
-        return [pool.result(-1 - i) for i in range(len(dataset))]
-
-    def _eval_pool(self) -> LocalPool:
-        if self._engine_model is None:
-            self._keep_engine_model(force=True)
-        return LocalPool(self._engine_factory()(), keep=1)
-
     # ------------------------------------------------------------ exact resume: rank 0 keeps the rollouts' state
     def rank_state(self) -> dict:
-        state = {"metrics": {k: list(v) for k, v in self._metrics["train"].items()}}
-        if self._rollouts is not None and hasattr(self._rollouts, "state_dict"):
+        state = {"metrics": {k: list(v) for k, v in self._metrics["train"].items()},
+                 "trained_groups": self._groups_before_resume + len(self._trained_groups)}
+        if self._rollouts is not None:
             state["rollouts"] = self._rollouts.state_dict(self.state.global_step)
         return state
 
@@ -434,6 +339,7 @@ class AsyncGRPOMethods(TRLMethods):
         if state is None:
             return
         self._metrics["train"] = defaultdict(list, {k: list(v) for k, v in state["metrics"].items()})
+        self._groups_before_resume, self._trained_groups = state.get("trained_groups", 0), set()
         self._saved_rollouts = state.get("rollouts")
 
     # ------------------------------------------------------------ TRL's log
@@ -450,8 +356,11 @@ class AsyncGRPOMethods(TRLMethods):
         if mode == "eval":
             metrics = {f"eval_{key}": value for key, value in metrics.items()}
         logs.update(metrics)
-        super(TRLMethods, self).log(logs, start_time)
+        self._log_plain(logs, start_time)
         self._metrics[mode].clear()
+
+    def _log_plain(self, logs: dict, start_time: float | None = None) -> None:
+        super(TRLMethods, self).log(logs, start_time)  # the Trainer's
 
     def stop_rollouts(self) -> None:
         """The rollout pool stopped; what it generated and when, kept (rollout_timeline: (step, group, worker,
@@ -474,11 +383,18 @@ class AsyncGRPOMethods(TRLMethods):
         return state
 
 
-class _StopRollouts(TrainerCallback):
-    """The rollout pool stopped when training ends (its actors released)."""
+class _RolloutControl(TrainerCallback):
+    """TRL's epoch stop (a TRL rollout worker's run ends after num_train_epochs passes over the prompts, counted in
+    distinct groups trained; the last step saved) and the rollout pool stopped when training ends."""
 
     def __init__(self, trainer: AsyncGRPOMethods):
         self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.trainer._epoch_done:
+            control.should_training_stop = True
+            if args.save_strategy == "steps":
+                control.should_save = True
 
     def on_train_end(self, args, state, control, **kwargs):
         self.trainer.stop_rollouts()
@@ -496,18 +412,3 @@ def _reward_functions(reward_funcs: Any) -> tuple[list[Callable], list[str]]:
             raise TypeError(f"reward_funcs[{i}]: AsyncGRPOTrainer takes reward functions (TRL's signature), got "
                             f"{type(func).__name__}; score with a reward model inside a function instead")
     return list(reward_funcs), [get_callable_name(f) for f in reward_funcs]
-
-
-def _check_dataset(name: str, data: Any, required: bool) -> None:
-    if data is None:
-        if required:
-            raise ValueError(f"{name} is required")
-        return
-    if not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
-        raise TypeError(f"{name}: a map-style datasets.Dataset is needed (prompts are read by index), got "
-                        f"{type(data).__name__}")
-    columns = set(getattr(data, "column_names", None) or data[0])
-    if "prompt" not in columns:
-        raise ValueError(f"{name}: no 'prompt' column (it has {sorted(columns)})")
-    if {"image", "images"} & columns:
-        raise ValueError(f"{name}: image columns (vision datasets) are not supported by AsyncGRPOTrainer")

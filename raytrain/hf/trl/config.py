@@ -204,10 +204,6 @@ def settle_async(args: Any) -> None:
         raise ValueError(f"weight_sync_steps: must be >= 1, got {args.weight_sync_steps}")
     if args.max_inflight_tasks < 0:  # TRL's default: what can be trained on before it is stale, at least a step
         s(args, "max_inflight_tasks", max(args.max_staleness, 1) * per_step)
-    for name, default in _VLLM_FIELDS.items():
-        if getattr(args, name) != default:
-            raise ValueError(f"{name}: only for a vLLM server, which raytrain's AsyncGRPOTrainer does not use (its "
-                             "rollout actors generate with transformers); leave it unset")
     if args.token_budget is not None and args.token_budget > 0:
         raise ValueError(f"token_budget: token-budgeted packing (TRL's tree attention, CUDA) is not run; micro-batches "
                          f"hold per_device_train_batch_size samples; set token_budget 0 or leave it unset, got "
@@ -219,3 +215,12 @@ def settle_async(args: Any) -> None:
         if layout.get(name, 1) > 1:
             raise ValueError(f"parallelism_config.{name}: not supported by AsyncGRPOTrainer (completions are "
                              "scored on whole sequences and whole parameters); set it to 1")
+
+
+def refuse_vllm(args: Any) -> None:
+    """AsyncGRPOConfig's vLLM-server fields, refused when raytrain's rollout actors generate (with a TRL
+    rollout_worker they are that worker's settings)."""
+    for name, default in _VLLM_FIELDS.items():
+        if getattr(args, name) != default:
+            raise ValueError(f"{name}: only for a vLLM server, which raytrain's AsyncGRPOTrainer does not use (its "
+                             "rollout actors generate with transformers); leave it unset")

@@ -1,29 +1,42 @@
 """TRL's own rollout objects on raytrain's AsyncGRPOTrainer: a `rollout_worker` (TRL's RolloutWorkerProtocol: a
 queue of scored RolloutSamples, start / stop / update_model_version / check_health, a metrics queue) and a
-`weight_transfer` (TRL's WeightTransferProtocol: init / pause / send_weights / resume / destroy). Samples are taken
-as they come and the stale ones dropped, as TRL does: such a worker runs on its own timing, so the run is TRL's,
-not raytrain's schedule (no exact resume of what was in flight)."""
+`weight_transfer` (TRL's WeightTransferProtocol: init / pause / send_weights / resume / destroy). The samples are
+read as TRL reads them (its RolloutQueueDataset: stale ones dropped, its staleness metrics) and planned into
+micro-batches by TRL's own planners (a fixed count, or token_budget tokens per row). Such a worker runs on its own
+timing, so the run is TRL's, not raytrain's schedule: no exact resume of what was in flight."""
 
 from __future__ import annotations
 
 import logging
 import queue
-import time
 from typing import Any, Callable, Iterator
+
+import numpy as np
 
 logger = logging.getLogger(__name__)
 
 
 class WorkerRollouts:
-    def __init__(self, worker: Any, transfer: Any, per_step: int, max_staleness: int, heartbeat_s: float,
-                 poll_s: float = 5.0):
-        self.worker, self.transfer, self.per_step = worker, transfer, per_step
-        self.max_staleness, self.heartbeat_s, self.poll_s = max_staleness, heartbeat_s, poll_s
-        self.version, self.dropped, self.waited, self.started = 0, 0, 0.0, False
+    def __init__(self, worker: Any, transfer: Any, ranks: int, per_rank: int, token_budget: int | None,
+                 max_staleness: int, heartbeat_s: float, metrics: dict, report_to: list | None):
+        from trl.experimental.async_grpo.async_grpo_trainer import (FixedCountBatcher, RolloutQueueDataset,
+                                                                    TokenBudgetBatcher)
+
+        self.worker, self.transfer, self.version, self.started = worker, transfer, 0, False
+        self.dataset = RolloutQueueDataset(rollout_queue=worker.rollout_buffer, model_version_fn=lambda: self.version,
+                                           check_health_fn=worker.check_health, stale_after_s=heartbeat_s,
+                                           metrics=metrics, max_staleness=max_staleness, report_to=report_to or [])
+        arrays = _Arrays(self.dataset)
+        if token_budget is not None and token_budget > 0:
+            planner = TokenBudgetBatcher(arrays, ranks, token_budget, metrics)
+        else:
+            planner = FixedCountBatcher(arrays, ranks, per_rank * ranks)
+        self._micro = iter(planner)
 
     def sync(self, weights: Callable[[], Iterator]) -> int:
-        """TRL's _sync_weight: the weights streamed through the transfer (paused around it), the version bumped and
-        told to the worker; the first sync sets the transfer up and then starts the worker."""
+        """TRL's _sync_weight: the weights streamed through the transfer (paused around it; no transfer: none is
+        sent), the version bumped and told to the worker; the first sync sets the transfer up, then starts the
+        worker (TRL's train-begin order)."""
         if not self.started and self.transfer is not None:
             self.transfer.init_weight_transfer()
         if self.transfer is not None:
@@ -37,25 +50,16 @@ class WorkerRollouts:
             self.started = True
         return self.version
 
-    def take(self, step: int) -> list:
-        """The next samples_per_step samples from the worker's queue, those more than max_staleness versions old
-        dropped (TRL's RolloutQueueDataset); the worker's health checked while the queue is empty."""
-        start, out, dropped = time.perf_counter(), [], 0
-        while len(out) < self.per_step:
-            try:
-                sample = self.worker.rollout_buffer.get(timeout=self.poll_s)
-            except queue.Empty:
-                self.worker.check_health(self.heartbeat_s)
-                continue
-            if self.version - sample.model_version > self.max_staleness:
-                dropped += 1
-                continue
-            out.append(sample)
-        self.dropped, self.waited = dropped, time.perf_counter() - start
-        return out
+    def take_micro(self) -> list[list[dict]]:
+        """The next micro-batch: one list of sample dicts per data-parallel rank."""
+        return [list(row.samples) for row in next(self._micro)]
+
+    @property
+    def waited(self) -> float:
+        return self.dataset.wait_s
 
     def drain_metrics(self, sink: dict) -> None:
-        """The worker's own metrics (dicts shaped like the trainer's sink) appended to it."""
+        """The worker's own metrics (dicts shaped like the trainer's sink) appended to it; a worker may have none."""
         metrics = getattr(self.worker, "metrics_queue", None)
         while metrics is not None:
             try:
@@ -77,3 +81,15 @@ class WorkerRollouts:
             if self.transfer is not None:
                 self.transfer.destroy()
         self.started = False
+
+
+class _Arrays:
+    """The queue's samples with their token fields as numpy arrays (TRL's planners read arrays; a worker may push
+    lists)."""
+
+    def __init__(self, dataset: Any):
+        self.dataset = dataset
+
+    def __iter__(self):
+        for sample in self.dataset:
+            yield {**sample, **{k: np.asarray(sample[k]) for k in ("input_ids", "completion_mask", "old_log_probs")}}
