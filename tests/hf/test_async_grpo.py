@@ -80,7 +80,6 @@ def test_evaluation_is_the_same_twice_and_on_any_pool(reference, tmp_path):
 
 
 @pytest.mark.parametrize("kw, message", [
-    ({"token_budget": 256}, "token_budget: token-budgeted packing"),
     ({"max_tool_calling_iterations": 2}, "max_tool_calling_iterations: tool calling is not run"),
     ({"num_generations": 3}, "num_generations: the samples of a step"),
     ({"num_generations": 1, "per_device_train_batch_size": 1}, "num_generations: at least 2 completions"),
@@ -107,7 +106,8 @@ def test_trainer_arguments_it_does_not_run_are_refused_in_one_line(tmp_path):
     from examples.sft import build_model
 
     cases = [({"tools": [print]}, "tools: not supported"),
-             ({"args": "vllm"}, "vllm_server_base_url: only for a vLLM server"),
+             ({"args": {"vllm_server_base_url": "http://x:8000"}}, "vllm_server_base_url: only for a vLLM server"),
+             ({"args": {"token_budget": 256}}, "token_budget: a step trains on whole prompt groups"),
              ({"environment_factory": object}, "environment_factory: not supported"),
              ({"reward_funcs": "some/reward-model"}, "reward_funcs[0]: AsyncGRPOTrainer takes reward functions"),
              ({"train_dataset": Dataset.from_list([{"question": "1+1"}])}, "train_dataset: no 'prompt' column"),
@@ -115,9 +115,8 @@ def test_trainer_arguments_it_does_not_run_are_refused_in_one_line(tmp_path):
     for kw, message in cases:
         with pytest.raises((ValueError, TypeError)) as e:
             t = jobs.trainer(str(tmp_path), max_steps=1)
-            if kw.get("args") == "vllm":
-                kw = {"args": type(t.args)(**{**jobs.RUN, "output_dir": str(tmp_path),
-                                               "vllm_server_base_url": "http://x:8000"})}
+            if isinstance(kw.get("args"), dict):
+                kw = {"args": type(t.args)(**{**jobs.RUN, "output_dir": str(tmp_path), **kw["args"]})}
             type(t)(build_model(), **{"reward_funcs": jobs.low_ids, "args": t.args, "train_dataset": t.train_dataset,
                                       "processing_class": t.processing_class, **kw})
         assert message in str(e.value) and "\n" not in str(e.value), (kw, str(e.value))

@@ -204,10 +204,6 @@ def settle_async(args: Any) -> None:
         raise ValueError(f"weight_sync_steps: must be >= 1, got {args.weight_sync_steps}")
     if args.max_inflight_tasks < 0:  # TRL's default: what can be trained on before it is stale, at least a step
         s(args, "max_inflight_tasks", max(args.max_staleness, 1) * per_step)
-    if args.token_budget is not None and args.token_budget > 0:
-        raise ValueError(f"token_budget: token-budgeted packing (TRL's tree attention, CUDA) is not run; micro-batches "
-                         f"hold per_device_train_batch_size samples; set token_budget 0 or leave it unset, got "
-                         f"{args.token_budget}")
     if args.max_tool_calling_iterations is not None:
         raise ValueError("max_tool_calling_iterations: tool calling is not run by raytrain's AsyncGRPOTrainer")
     layout = args.parallelism_config or {}
@@ -218,8 +214,12 @@ def settle_async(args: Any) -> None:
 
 
 def refuse_vllm(args: Any) -> None:
-    """AsyncGRPOConfig's vLLM-server fields, refused when raytrain's rollout actors generate (with a TRL
-    rollout_worker they are that worker's settings)."""
+    """AsyncGRPOConfig's vLLM-server fields and token_budget, refused when raytrain's rollout actors generate (with a
+    TRL rollout_worker they are that worker's settings, and TRL's planner budgets its micro-batches)."""
+    if args.token_budget is not None and args.token_budget > 0:
+        raise ValueError(f"token_budget: a step trains on whole prompt groups of per_device_train_batch_size samples "
+                         f"per micro-batch here (token budgets plan a TRL rollout_worker's queue); set token_budget "
+                         f"0 or leave it unset, got {args.token_budget}")
     for name, default in _VLLM_FIELDS.items():
         if getattr(args, name) != default:
             raise ValueError(f"{name}: only for a vLLM server, which raytrain's AsyncGRPOTrainer does not use (its "
