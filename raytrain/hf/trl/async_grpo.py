@@ -248,8 +248,10 @@ class AsyncGRPOMethods(AsyncLossMethods, AsyncEvalMethods, TRLMethods):
         return self._pack(rows[strategy.dp_rank], [s for row in rows for s in row])
 
     def _publish(self, version: int) -> None:
-        start = time.perf_counter()
         strategy = self.get_strategy()
+        if strategy.rank == 0:
+            self._rollout_source()  # made (actors started) before the sync is timed
+        start = time.perf_counter()
         if self.rollout_worker is not None:  # TRL's: the version counts the syncs, the first one at train begin
             if strategy.rank == 0:
                 self.model_version = self._rollout_source().sync(self._streamed_weights)

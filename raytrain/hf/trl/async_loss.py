@@ -104,6 +104,8 @@ class AsyncLossMethods:
             else:
                 m[key].append(mean)
         lengths = [int(np.asarray(s.completion_mask).sum()) for s in samples]
+        m["batch/forwarded_tokens_per_step"].append(float(sum(len(s.input_ids) for s in samples)))
+        m["batch/trained_tokens_per_step"].append(float(sum(lengths)))
         m["completions/mean_length"].append(sum(lengths) / len(lengths))
         m["completions/min_length"].append(float(min(lengths)))
         m["completions/max_length"].append(float(max(lengths)))
