@@ -65,6 +65,8 @@ CHECKED = {
     "kuberay_health_checks.yaml": "a KubeRay cluster; its settings are cluster.yaml's (test_health_check_snippets)",
     "grpo_workers.sh": "2 Ray workers and a sweep: tests/hf/test_grpo_backends_on_ray.py and test_grpo_sweep.py run them",
     "grpo_sweep.py": "a Ray Tune sweep of 8 trials: tests/hf/test_grpo_sweep.py runs one of 2",
+    "grpo_async.py": "2 Ray rollout actors beside the trainer: tests/hf/test_async_grpo_on_ray.py runs this trainer on 1 "
+                     "and 2 actors, and examples/grpo_async.yaml from the CLI",
 }
 
 
