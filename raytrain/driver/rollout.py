@@ -115,9 +115,11 @@ class RayRolloutPool:
                     raise RuntimeError("the rollout pool was stopped")
                 self._cond.wait(1.0)
                 now = time.monotonic()
-                if now - last >= 10:
+                if now - last >= 10:  # a warning when no actor is up: capacity, not speed
                     last = now
-                    logger.info("waiting %.0f s for rollout group %d (%s)", now - start, group, self._where(group))
+                    level = logging.WARNING if len(self.down) == len(self.actors) else logging.INFO
+                    logger.log(level, "waiting %.0f s for rollout group %d (%s)", now - start, group,
+                               self._where(group))
             return self.results.pop(group)
 
     def _where(self, group: int) -> str:

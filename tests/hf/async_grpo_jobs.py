@@ -115,3 +115,47 @@ def run_cases(config: dict) -> dict | None:
         results[name] = {"log": json.loads(value["state"])["log_history"], "weights": value["weights"]} \
             if value else None
     return results if dist.get_rank() == 0 else None
+
+
+class KillOnce(TrainerCallback):
+    """SIGKILLs this process at the end of step `step` on rank `rank`, once (a flag file marks it done)."""
+
+    def __init__(self, rank: int, step: int, flag: str):
+        self.rank, self.step, self.flag = rank, step, flag
+
+    def on_step_end(self, args, state, control, **kwargs):
+        import os
+        import signal
+
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        if state.global_step == self.step and rank == self.rank and not os.path.exists(self.flag):
+            open(self.flag, "w").close()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class PauseAt(TrainerCallback):
+    """At the end of step `step`: writes `flag`, then waits until `go` exists (the test acts on the cluster)."""
+
+    def __init__(self, step: int, flag: str, go: str):
+        self.step, self.flag, self.go = step, flag, go
+
+    def on_step_end(self, args, state, control, **kwargs):
+        import os
+
+        if state.global_step == self.step:
+            open(self.flag, "w").close()
+            while not os.path.exists(self.go):
+                time.sleep(0.2)
+
+
+def on_cluster_main(out: str, flag: str, go: str, result: str) -> None:
+    """The driver of the node-loss run: 2 rollout actors on the cluster's `spot` nodes, a pause after step 4 (the
+    test loses their node, then adds another); the logged steps and final weights to `result`."""
+    import torch
+
+    t = trainer(out, workers=2, callbacks=[PauseAt(4, flag, go)])
+    t.args.rollout.resources_per_worker = {"spot": 0.5}
+    t.train()
+    torch.save({"steps": steps(t), "weights": weights(t.model), "restarts": t.rollout_restarts}, result)
