@@ -76,6 +76,14 @@ main() {
         | grep -vE "Warning|warnings.warn|^\s*$" | tail -40
     BENCH_RC=${PIPESTATUS[0]}
     echo "== benchmark exit status: $BENCH_RC (124: stopped at its 180 s limit; bench.json holds the parts that ended)"
+    echo "== benchmarks/trl.py --script async: AsyncGRPOTrainer (1 rollout actor on half the GPU) vs GRPOTrainer"
+    if "$PY" -c "import ray, trl" 2>/dev/null; then
+        timeout 150 "$PY" benchmarks/trl.py --script async --hidden 512 --layers 8 --batch 16 --generations 8 \
+            --completion-length 128 --steps 6 --rounds 2 --threads 2 --trainer-threads 1 --json "$OUT/async.json" \
+            2>&1 | tee "$OUT/async.log" | grep -E "^round|^async" | tail -5
+    else
+        echo "skipped: Ray or trl does not import here (the rollout actors need Ray)"
+    fi
     echo "== done: tests $TESTS_RC, benchmark $BENCH_RC; files: $(ls "$OUT" | tr '\n' ' ')"
     [ "$TESTS_RC" = 0 ] && [ "$BENCH_RC" = 0 ]
 }

@@ -3,7 +3,8 @@
     python benchmarks/trl.py [--hidden 256] [--layers 4] [--batch 4] [--max-length 512] [--warmup 2] [--steps 10]
                              [--rounds 3] [--threads 0] [--json results.json]
     python benchmarks/trl.py --script grpo [--batch 8] [--generations 4] [--completion-length 32] ...
-    python benchmarks/trl.py --quick [--script grpo]   # a 2-layer model, a few steps: the code path only
+    python benchmarks/trl.py --script async [--threads 2] [--trainer-threads 1] [--rollout-workers 1] ...
+    python benchmarks/trl.py --quick [--script grpo|async]   # a 2-layer model, a few steps: the code path only
 
 SFT, the issue's script: a Llama built from its config (no download; examples/sft.py's byte-level tokenizer and
 chat template), LoRA on q_proj / v_proj, conversations made in code, assistant_only_loss, bfd packing, TRL's
@@ -15,6 +16,12 @@ ones (the completions) plus the trained ones (TRL's num_tokens: prompts and comp
 Each round trains both, in alternating order, from the same seed, over the --steps steps after --warmup, timed by
 wall clock and by this process's CPU time (on a shared machine the CPU figure counts this run's work alone). Prints
 each round and raytrain.trl / trl (target >= 1.0x) with the range of the per-round ratios.
+async: raytrain.trl's AsyncGRPOTrainer against its GRPOTrainer on the same model, prompts, batch and steps, at equal
+cores: GRPOTrainer colocated with --threads torch threads in every phase; the async trainer with --trainer-threads
+for training and --rollout-workers Ray actors of (threads - trainer-threads) / rollout-workers CPUs each, generating
+one version ahead (max_staleness 1). Tokens: the generated ones plus those through the loss (prompts and completions).
+Also printed: the staleness of the trained samples, each role's idle fraction over the timed steps (the trainer's
+wait for rollouts; each actor's time not generating) and the weight-sync seconds (target: async >= 1.25x).
 """
 
 from __future__ import annotations
@@ -120,9 +127,103 @@ def run_grpo(lib: str, a, out: str) -> dict:
             "last_loss": logs[a.warmup + a.steps]["loss"], "last_reward": logs[a.warmup + a.steps]["reward"]}
 
 
+def run_async(lib: str, a, out: str) -> dict:
+    """`lib` "colocated": raytrain.trl's GRPOTrainer on --threads threads; "async": its AsyncGRPOTrainer, training on
+    --trainer-threads, the rest of the cores split between --rollout-workers actors."""
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+
+    import raytrain.trl as rt
+    from examples.grpo import brevity, correct_sum, prompts
+    from examples.sft import build_model, build_tokenizer
+
+    common = dict(max_steps=a.warmup + a.steps, per_device_train_batch_size=a.batch, num_generations=a.generations,
+                  max_completion_length=a.completion_length, logging_steps=1, learning_rate=1e-3, report_to="none",
+                  save_strategy="no", seed=0, bf16=False, disable_tqdm=True, use_cpu=not a.cuda,
+                  optim="adamw_torch", gradient_checkpointing=False)
+    threads = a.threads or os.cpu_count()
+    if lib == "colocated":
+        torch.set_num_threads(threads)
+        args, cls = rt.GRPOConfig(out, **common), rt.GRPOTrainer
+    else:
+        torch.set_num_threads(a.trainer_threads)
+        cpus = (threads - a.trainer_threads) / a.rollout_workers
+        gpus = 0.5 / a.rollout_workers if a.cuda else 0.0  # on a GPU: the trainer and the actors share it
+        args = rt.AsyncGRPOConfig(out, max_staleness=1, rollout={"num_workers": a.rollout_workers,
+                                                                 "num_cpus_per_worker": cpus,
+                                                                 "num_gpus_per_worker": gpus}, **common)
+        cls = rt.AsyncGRPOTrainer
+    timer = _timer("rt", a.warmup)
+    torch.manual_seed(0)
+    trainer = cls(model=build_model(hidden_size=a.hidden, num_layers=a.layers, intermediate_size=a.hidden * 2),
+                  reward_funcs=[correct_sum, brevity], args=args, train_dataset=Dataset.from_list(prompts(a.rows)),
+                  processing_class=build_tokenizer(), callbacks=[timer],
+                  peft_config=LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    trainer.train()
+    logs = {e["step"]: e for e in trainer.state.log_history if "loss" in e}
+    timed = range(a.warmup + 1, a.warmup + a.steps + 1)
+    generated = sum(logs[s]["completions/mean_length"] * a.batch for s in timed)
+    if lib == "colocated":
+        trained = logs[a.warmup + a.steps]["num_tokens"] - logs[a.warmup]["num_tokens"]
+    else:
+        trained = sum(logs[s]["batch/forwarded_tokens_per_step"] for s in timed)
+    wall = timer.end[0] - timer.start[0]
+    result = {"tokens": generated + trained, "generated": generated, "trained": trained, "wall_s": wall,
+              "tokens_per_s": (generated + trained) / wall, "threads": threads,
+              "last_reward": logs[a.warmup + a.steps]["reward"]}
+    if lib == "async":
+        begin = time.time() - (time.perf_counter() - timer.start[0])  # the timed window in wall-clock seconds
+        end = begin + wall
+        busy = {}
+        for _, _, worker, start, stop in trainer.rollout_timeline:
+            busy[worker] = busy.get(worker, 0.0) + max(0.0, min(stop, end) - max(start, begin))
+        stale = [logs[s]["sample/staleness_max"] for s in timed]
+        result.update(trainer_idle=sum(logs[s]["perf/rollout_wait_s"] for s in timed) / wall,
+                      actor_idle={w: round(1 - b / wall, 3) for w, b in sorted(busy.items())},
+                      staleness={str(k): stale.count(k) for k in sorted(set(stale))},
+                      weight_sync_s=sum(logs[s].get("perf/weight_sync_s", 0.0) for s in timed))
+    return result
+
+
+def main_async(a) -> None:
+    """The async trainer against the colocated one, rounds alternated; the median ratio and its range."""
+    import torch
+
+    os.environ["RAY_ADDRESS"] = "local"  # a Ray cluster of this run's own, on this machine's cores
+    a.cuda = torch.cuda.is_available()
+    os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+    rounds = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(a.rounds):
+            order = ("colocated", "async") if r % 2 == 0 else ("async", "colocated")
+            got = {lib: run_async(lib, a, os.path.join(tmp, f"{lib}{r}")) for lib in order}
+            ratio = got["async"]["tokens_per_s"] / got["colocated"]["tokens_per_s"]
+            rounds.append({"order": order, **got, "ratio": ratio})
+            x = got["async"]
+            print(f"round {r + 1} ({' then '.join(order)}): colocated {got['colocated']['tokens_per_s']:.0f} tok/s, "
+                  f"async {x['tokens_per_s']:.0f} tok/s -> {ratio:.3f}x; async: staleness {x['staleness']}, "
+                  f"trainer idle {x['trainer_idle']:.2f}, actors idle {x['actor_idle']}, weight sync "
+                  f"{x['weight_sync_s']:.3f} s", flush=True)
+    ratios = [x["ratio"] for x in rounds]
+    result = {"torch": torch.__version__, "load_avg_end": os.getloadavg()[0], "args": vars(a), "rounds": rounds,
+              "ratio_median": statistics.median(ratios)}
+    print(f"async: AsyncGRPOTrainer / GRPOTrainer tokens/s at {a.threads or os.cpu_count()} cores: "
+          f"{result['ratio_median']:.3f}x (rounds {min(ratios):.3f}-{max(ratios):.3f}); target >= 1.25x; trainer "
+          f"{a.trainer_threads} thread(s), {a.rollout_workers} rollout actor(s); load avg at end "
+          f"{result['load_avg_end']:.1f} ({os.cpu_count()} cpus)")
+    if a.quick:
+        print("quick run: the code path ran; its numbers are not figures to report")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(result, f, indent=2, default=str)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--script", choices=("sft", "grpo"), default="sft")
+    p.add_argument("--script", choices=("sft", "grpo", "async"), default="sft")
+    p.add_argument("--trainer-threads", type=int, default=1, help="async: the async trainer's training threads")
+    p.add_argument("--rollout-workers", type=int, default=1, help="async: its rollout actors")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--batch", type=int, default=None, help="per-device batch (default 4 for sft, 8 for grpo)")
@@ -138,7 +239,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     a = p.parse_args()
     if a.batch is None:
-        a.batch = 8 if a.script == "grpo" else 4
+        a.batch = 4 if a.script == "sft" else 8
     if a.quick:
         a.hidden, a.layers, a.max_length, a.rows, a.warmup, a.steps, a.rounds = 32, 2, 128, 200, 1, 2, 1
         a.completion_length = min(a.completion_length, 8)
@@ -148,6 +249,8 @@ def main() -> None:
         os.environ["OMP_NUM_THREADS"] = str(a.threads)
         torch.set_num_threads(a.threads)
     warnings.filterwarnings("ignore")
+    if a.script == "async":
+        return main_async(a)
     import trl
     rounds = []
     with tempfile.TemporaryDirectory() as tmp:

@@ -1,6 +1,6 @@
-"""TRL's SFTTrainer / SFTConfig, DPOTrainer / DPOConfig, GRPOTrainer / GRPOConfig and RLOOTrainer / RLOOConfig on
-raytrain's Trainer: a TRL 1.16 script runs with `from trl import ...` changed to `from raytrain.trl import ...`
-(needs the trl extra)."""
+"""TRL's SFTTrainer / SFTConfig, DPOTrainer / DPOConfig, GRPOTrainer / GRPOConfig, RLOOTrainer / RLOOConfig and
+AsyncGRPOTrainer / AsyncGRPOConfig (trl.experimental.async_grpo's) on raytrain's Trainer: a TRL 1.16 script runs
+with `from trl import ...` changed to `from raytrain.trl import ...` (needs the trl extra)."""
 
 from __future__ import annotations
 
@@ -8,23 +8,26 @@ import dataclasses
 from typing import Any
 
 from .config.args import ConfigError, TrainingArguments
+from .config.sections import RolloutConfig
+from .driver.rollout import RayRolloutPool
 from .hf.trl import config as _trl
+from .hf.trl.async_grpo import AsyncGRPOMethods
 from .hf.trl.dpo import DPOMethods
 from .hf.trl.grpo import GRPOMethods
 from .hf.trl.rloo import RLOOMethods
 from .hf.trl.sft import SFTMethods
 from .trainer import Trainer
 
-__all__ = ["DPOConfig", "DPOTrainer", "GRPOConfig", "GRPOTrainer", "RLOOConfig", "RLOOTrainer", "SFTConfig",
-           "SFTTrainer"]
+__all__ = ["AsyncGRPOConfig", "AsyncGRPOTrainer", "DPOConfig", "DPOTrainer", "GRPOConfig", "GRPOTrainer", "RLOOConfig",
+           "RLOOTrainer", "SFTConfig", "SFTTrainer"]
 
 _BASE = {f.name for f in dataclasses.fields(TrainingArguments)}
 
 
 def _post_init(kind: str, own: tuple[str, ...]):
     normalize = {"sft": _trl.normalize_sft, "dpo": _trl.normalize_dpo, "grpo": _trl.normalize_grpo,
-                 "rloo": _trl.normalize_grpo}[kind]
-    settle = _trl.settle_grpo if kind in ("grpo", "rloo") else None
+                 "rloo": _trl.normalize_grpo, "async_grpo": _rollout_section}[kind]
+    settle = {"grpo": _trl.settle_grpo, "rloo": _trl.settle_grpo, "async_grpo": _settle_async}.get(kind)
 
     def __post_init__(self) -> None:
         try:
@@ -35,7 +38,8 @@ def _post_init(kind: str, own: tuple[str, ...]):
             TrainingArguments.__post_init__(self)
             if settle is not None:  # after: it needs the checked batch sizes and the world size
                 settle(self)
-                _trl.refuse_config(self, kind.upper())
+                if kind != "async_grpo":
+                    _trl.refuse_config(self, kind.upper())
             if (self.parallelism_config or {}).get("pp_size", 1) > 1:
                 raise ConfigError(f"parallelism_config.pp_size: pipeline parallelism is not supported by "
                                   f"raytrain.trl's {kind.upper()}Trainer (TRL's loss needs the whole model's outputs on one rank); "
@@ -55,9 +59,33 @@ _REWARD_FUNCS = ("reward_funcs", list[str] | None, dataclasses.field(default=Non
             "a Python script passes reward_funcs= to the trainer instead."}))
 
 
+# AsyncGRPO: its rollout actors, a section like `scaling`
+_ROLLOUT = ("rollout", RolloutConfig, dataclasses.field(default_factory=RolloutConfig, metadata={
+    "help": "AsyncGRPOTrainer's rollout workers: num_workers Ray actors (0: in the trainer's process), "
+            "num_cpus_per_worker, num_gpus_per_worker, resources_per_worker. raytrain's."}))
+
+
+def _rollout_section(args: Any) -> None:
+    """The rollout section as a RolloutConfig (a mapping, or 'k=v,...' text from a command line), checked."""
+    value = args.rollout
+    if not isinstance(value, RolloutConfig):
+        try:
+            value = RolloutConfig(value) if isinstance(value, str) else RolloutConfig(**dict(value or {}))
+        except ConfigError as e:
+            raise ConfigError(f"rollout.{e}" if not str(e).startswith("unknown") else str(e)) from None
+        object.__setattr__(args, "rollout", value)
+
+
+def _settle_async(args: Any) -> None:
+    if args.scaling.min_workers is not None:
+        raise ConfigError("scaling.num_workers: an elastic group is not supported by AsyncGRPOTrainer (the schedule "
+                          "holds the samples of a step for a fixed number of ranks); give one number")
+    _trl.settle_async(args)
+
+
 def _config(name: str, kind: str) -> type:
     own = _trl.trl_field_names(kind, _BASE)
-    extra = [_REWARD_FUNCS] if kind in ("grpo", "rloo") else []
+    extra = [_REWARD_FUNCS] if kind in ("grpo", "rloo") else [_REWARD_FUNCS, _ROLLOUT] if kind == "async_grpo" else []
     cls = dataclasses.make_dataclass(name, _trl.trl_fields(kind, _BASE) + extra, bases=(TrainingArguments,),
                                      namespace={"__post_init__": _post_init(kind, own), "TRL_FIELDS": own,
                                                 "__doc__": f"TRL {_trl.TRL_VERSION}'s {name} on raytrain's "
@@ -70,6 +98,7 @@ SFTConfig = _config("SFTConfig", "sft")
 DPOConfig = _config("DPOConfig", "dpo")
 GRPOConfig = _config("GRPOConfig", "grpo")
 RLOOConfig = _config("RLOOConfig", "rloo")
+AsyncGRPOConfig = _config("AsyncGRPOConfig", "async_grpo")
 
 
 class SFTTrainer(SFTMethods, Trainer):
@@ -98,18 +127,29 @@ class RLOOTrainer(RLOOMethods, Trainer):
     config_class = RLOOConfig
 
 
+class AsyncGRPOTrainer(AsyncGRPOMethods, Trainer):
+    """TRL's AsyncGRPOTrainer (its arguments, loss and metrics) on raytrain's loop, generating ahead of training on
+    Ray actors (rollout.num_workers), on a schedule that makes runs reproducible and resumed exactly."""
+
+    config_class = AsyncGRPOConfig
+    _pool_class = RayRolloutPool
+
+
 def __getattr__(name: str) -> Any:
     raise AttributeError(f"raytrain.trl has no {name!r}; it exports {', '.join(__all__)}")
 
 
 def config_from_yaml(path: str, overrides: list[str]) -> TrainingArguments | None:
-    """The CLI's TRL config: GRPOConfig when the YAML (or --set) names a field of GRPO / RLOO alone (RLOOConfig when
-    one of RLOO's own), else DPOConfig when it names a DPO-only field, SFTConfig when an SFT-only one, else None."""
+    """The CLI's TRL config: AsyncGRPOConfig when the YAML (or --set) names one of its own fields (rollout,
+    max_staleness, ...), GRPOConfig when a field of GRPO / RLOO alone (RLOOConfig when one of RLOO's own), else
+    DPOConfig when it names a DPO-only field, SFTConfig when an SFT-only one, else None."""
     import yaml
 
     with open(path) as f:
         d = yaml.safe_load(f) or {}
     keys = set(d) | {o.partition("=")[0].split(".")[0].strip() for o in overrides}
+    if keys & (set(AsyncGRPOConfig.TRL_FIELDS) - rollout_fields() - set(SFTConfig.TRL_FIELDS) | {"rollout"}):
+        return AsyncGRPOConfig.from_yaml(path, overrides)
     if keys & (rollout_fields() - set(SFTConfig.TRL_FIELDS) - set(DPOConfig.TRL_FIELDS)):
         rloo = keys & (set(RLOOConfig.TRL_FIELDS) - set(GRPOConfig.TRL_FIELDS))
         return (RLOOConfig if rloo else GRPOConfig).from_yaml(path, overrides)
@@ -119,6 +159,11 @@ def config_from_yaml(path: str, overrides: list[str]) -> TrainingArguments | Non
     return None
 
 
+def async_fields() -> set[str]:
+    """AsyncGRPOConfig's own fields, reward_funcs and the rollout section included."""
+    return set(AsyncGRPOConfig.TRL_FIELDS) | {_REWARD_FUNCS[0], _ROLLOUT[0]}
+
+
 def rollout_fields() -> set[str]:
     """GRPOConfig's and RLOOConfig's own fields, reward_funcs included."""
     return set(GRPOConfig.TRL_FIELDS) | set(RLOOConfig.TRL_FIELDS) | {_REWARD_FUNCS[0]}
@@ -126,5 +171,5 @@ def rollout_fields() -> set[str]:
 
 def trainer_for(args: Any) -> type | None:
     """The CLI's trainer for a TRL config (None for other arguments)."""
-    return {SFTConfig: SFTTrainer, DPOConfig: DPOTrainer, GRPOConfig: GRPOTrainer,
-            RLOOConfig: RLOOTrainer}.get(type(args))
+    return {SFTConfig: SFTTrainer, DPOConfig: DPOTrainer, GRPOConfig: GRPOTrainer, RLOOConfig: RLOOTrainer,
+            AsyncGRPOConfig: AsyncGRPOTrainer}.get(type(args))

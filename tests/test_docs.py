@@ -50,6 +50,7 @@ RUN_BY_RAY_TEST = {
     "llm_workers.sh": ("tests/hf/test_lora_example.py", "8 steps of 8 blocks of 32 bytes"),
     "llm_sweep.sh": ("tests/hf/test_lora_example.py", "--set search.num_samples=2, 8 steps"),
     "grpo_cli.sh": ("tests/hf/test_grpo_cli.py", "--set max_steps=2, in a subprocess"),  # no Ray: as users run it
+    "grpo_async_cli.sh": ("tests/hf/test_async_grpo_on_ray.py", "--set max_steps=3, in a subprocess on the cluster"),
 }
 # snippet -> why it is only checked
 CHECKED = {
@@ -64,6 +65,8 @@ CHECKED = {
     "kuberay_health_checks.yaml": "a KubeRay cluster; its settings are cluster.yaml's (test_health_check_snippets)",
     "grpo_workers.sh": "2 Ray workers and a sweep: tests/hf/test_grpo_backends_on_ray.py and test_grpo_sweep.py run them",
     "grpo_sweep.py": "a Ray Tune sweep of 8 trials: tests/hf/test_grpo_sweep.py runs one of 2",
+    "grpo_async.py": "2 Ray rollout actors beside the trainer: tests/hf/test_async_grpo_on_ray.py runs this trainer on 1 "
+                     "and 2 actors, and examples/grpo_async.yaml from the CLI",
 }
 
 

@@ -1,13 +1,16 @@
-"""The CLI's TRL configs: a YAML naming one of TRL's fields runs raytrain.trl's SFTTrainer, DPOTrainer, GRPOTrainer or
-RLOOTrainer."""
+"""The CLI's TRL configs: a YAML naming one of TRL's fields runs raytrain.trl's SFTTrainer, DPOTrainer, GRPOTrainer,
+RLOOTrainer or AsyncGRPOTrainer."""
 
 from __future__ import annotations
 
 from ..config.args import ConfigError, TrainingArguments
 
-# TRL 1.16's own SFTConfig / DPOConfig / GRPOConfig / RLOOConfig fields and GRPO's reward_funcs (tests/hf/test_trl.py
-# compares them with raytrain.trl's): only a config naming one imports trl, so an unknown field's error stays one line.
+# TRL 1.16's own SFTConfig / DPOConfig / GRPOConfig / RLOOConfig / AsyncGRPOConfig fields, GRPO's reward_funcs and the
+# async trainer's rollout section (tests/hf/test_trl.py compares them with raytrain.trl's): only a config naming one
+# imports trl, so an unknown field's error stays one line.
 TRL_FIELDS = frozenset((
+    "dtype", "fork_threshold_tokens", "heartbeat_stale_after_s", "max_inflight_tasks", "max_staleness",
+    "queue_maxsize", "request_timeout", "rollout", "token_budget", "weight_sync_steps", "weight_sync_timeout",
     "activation_offloading", "assistant_only_loss", "beta", "cache_implementation", "cast_lm_head_to_fp32",
     "chat_template_kwargs", "chat_template_path", "completion_only_loss", "dataset_kwargs", "dataset_num_proc",
     "dataset_text_field", "delta", "disable_dropout", "discopop_tau", "ds3_gather_for_generation", "entropy_coef",
@@ -34,14 +37,15 @@ TRL_FIELDS = frozenset((
 
 
 def trl_arguments(config: str, overrides: list[str], name: str) -> TrainingArguments | None:
-    """SFTConfig / DPOConfig / GRPOConfig / RLOOConfig when the config names one of TRL's fields and trl is installed
-    (raytrain.trl)."""
+    """SFTConfig / DPOConfig / GRPOConfig / RLOOConfig / AsyncGRPOConfig when the config names one of TRL's fields and
+    trl is installed (raytrain.trl)."""
     if name not in TRL_FIELDS:
         return None
     try:
         from ..trl import config_from_yaml
     except ImportError as e:  # one line: the field is TRL's, and what to install
-        raise ConfigError(f"{name}: a field of TRL's SFTConfig / DPOConfig / GRPOConfig / RLOOConfig; {e}") from None
+        raise ConfigError(f"{name}: a field of TRL's SFTConfig / DPOConfig / GRPOConfig / RLOOConfig / "
+                          f"AsyncGRPOConfig; {e}") from None
     return config_from_yaml(config, overrides)
 
 

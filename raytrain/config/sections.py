@@ -160,6 +160,21 @@ class ScalingConfig(StrictModel):
                 if self.batch_at(w, per_device, accumulation) is None]
 
 
+class RolloutConfig(StrictModel):
+    """An asynchronous RL trainer's rollout workers (AsyncGRPOTrainer): Ray actors named raytrain-rollout-<i> that
+    generate and score completions ahead of training."""
+
+    num_workers: int = Field(1, ge=0, description="rollout actors; 0: completions generated in the trainer's "
+                             "process (rank 0), one group at a time")
+    num_cpus_per_worker: float = Field(1.0, gt=0, description="CPUs reserved for each rollout actor; its torch "
+                                       "threads (whole CPUs, at least 1; the same in the trainer's process with 0 "
+                                       "actors, so that every choice gives the same completions)")
+    num_gpus_per_worker: float = Field(0.0, ge=0, description="GPUs for each rollout actor (it generates on the "
+                                       "GPU when it has one)")
+    resources_per_worker: dict[str, float] | None = Field(
+        None, description="other Ray resources each rollout actor needs, e.g. a node type's custom resource")
+
+
 class DistributedConfig(StrictModel):
     """Which distributed backend wraps the model, and its options."""
 

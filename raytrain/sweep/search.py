@@ -211,15 +211,21 @@ def _space(hp_space) -> SearchSpace | dict:
     return space if isinstance(space, SearchSpace) else dict(space or {})
 
 
-def _resources(args: TrainingArguments, resources_per_trial: dict | None, max_concurrent: int | None):
+def _resources(args: TrainingArguments, resources_per_trial: dict | None, max_concurrent: int | None,
+               bundles: list[dict] = ()):
     """Per-trial resources and concurrency from the scaling section when not given. A distributed
     trial's function only drives its TorchTrainer, whose workers reserve their own resources
-    (Ray Train v2 with Tune), so concurrency is what the cluster holds of those workers."""
+    (Ray Train v2 with Tune), so concurrency is what the cluster holds of those workers. `bundles`: the
+    actors a trial's trainer starts beside it (AsyncGRPO's rollout actors), reserved in its placement group."""
     import ray
 
     scaling = args.scaling
     if scaling.num_workers <= 1:
         per = resources_per_trial or scaling.resources_per_worker or {"CPU": 1, "GPU": int(scaling.use_gpu)}
+        if bundles:
+            from ray import tune
+
+            return tune.PlacementGroupFactory([{k.upper(): v for k, v in per.items() if v}, *bundles]), max_concurrent
         return {k.lower(): v for k, v in per.items() if v}, max_concurrent
     per_worker = scaling.resources_per_worker or {"CPU": 1, "GPU": int(scaling.use_gpu)}
     driver = resources_per_trial or {"cpu": _DRIVER_CPU}  # Tune refuses an empty request
@@ -312,7 +318,8 @@ def hyperparameter_search(trainer, hp_space=None, compute_objective: Callable | 
         "recorded": recorded_steps(state_path) if restoring and not remote else {}, "restored": uuid.uuid4().hex,
     }
     name_orphans(sweep_dir, spec["recorded"])
-    resources, max_concurrent = _resources(trainer.args, resources_per_trial, max_concurrent_trials)
+    bundles = getattr(trainer, "actor_bundles", lambda: [])()
+    resources, max_concurrent = _resources(trainer.args, resources_per_trial, max_concurrent_trials, bundles)
     # Packed: the trial puts the driver's sys.path in place before it unpickles the user's code.
     trainable = tune.with_resources(tune.with_parameters(run_trial, spec=pack_spec(spec)), resources)
     callbacks = [StatusLines(keys, tracker)]

@@ -241,7 +241,8 @@ def test_the_cli_knows_trl_fields_without_importing_trl():
     import raytrain.trl as rt
     from raytrain.cli.trl import TRL_FIELDS
 
-    assert TRL_FIELDS == set(rt.SFTConfig.TRL_FIELDS) | set(rt.DPOConfig.TRL_FIELDS) | rt.rollout_fields()
+    assert TRL_FIELDS == set(rt.SFTConfig.TRL_FIELDS) | set(rt.DPOConfig.TRL_FIELDS) | rt.rollout_fields() | \
+        rt.async_fields()
 
 
 def test_without_trl_the_import_names_the_package_in_one_line():

@@ -12,6 +12,7 @@ try:
     import trl
     from trl import DPOConfig as _DPOConfig, GRPOConfig as _GRPOConfig, RLOOConfig as _RLOOConfig, \
         SFTConfig as _SFTConfig
+    from trl.experimental.async_grpo.async_grpo_config import AsyncGRPOConfig as _AsyncGRPOConfig
 except ImportError as e:  # one line naming the package to install
     raise ImportError(f"raytrain.trl needs trl>=1.16 ({e.name} is missing): pip install 'raytrain[trl]'") from None
 
@@ -19,9 +20,11 @@ TRL_VERSION = trl.__version__
 
 # Fields of transformers' TrainingArguments whose default TRL changes (its _BaseConfig and each config).
 _CHANGED = ("learning_rate", "logging_steps", "gradient_checkpointing", "bf16", "lr_scheduler_kwargs", "disable_tqdm")
-_CLASSES = {"sft": _SFTConfig, "dpo": _DPOConfig, "grpo": _GRPOConfig, "rloo": _RLOOConfig}
+_CLASSES = {"sft": _SFTConfig, "dpo": _DPOConfig, "grpo": _GRPOConfig, "rloo": _RLOOConfig,
+            "async_grpo": _AsyncGRPOConfig}
 # ... and per config: GRPO / RLOO keep the dataset's other columns for the reward functions
-_CHANGED_BY = {"grpo": ("remove_unused_columns",), "rloo": ("remove_unused_columns",)}
+_CHANGED_BY = {"grpo": ("remove_unused_columns",), "rloo": ("remove_unused_columns",),
+               "async_grpo": ("lr_scheduler_type", "ignore_data_skip")}
 
 
 def trl_fields(kind: str, base_names: set[str]) -> list[tuple[str, Any, dataclasses.Field]]:
@@ -176,3 +179,48 @@ def refuse_config(args: Any, kind: str) -> None:
                               ("scale_rewards", ("group", "batch", "none"))):
             if getattr(args, name) not in choices:
                 raise ValueError(f"{name}: {getattr(args, name)!r} is not one of {', '.join(map(repr, choices))}")
+
+
+# AsyncGRPOConfig's fields that talk to a vLLM server, with their defaults: any other value is refused.
+_VLLM_FIELDS = {"vllm_server_base_url": "http://localhost:8000", "vllm_server_timeout": 240.0, "request_timeout": 600,
+                "weight_sync_timeout": 1800}
+
+
+def settle_async(args: Any) -> None:
+    """AsyncGRPOConfig's checks after TrainingArguments' (the world size is known): the batch holds whole prompt
+    groups, TRL's max_inflight_tasks default, and one line for each setting raytrain's rollouts do not run."""
+    s, world = object.__setattr__, args.world_size
+    per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * world
+    if args.num_generations < 2:
+        raise ValueError(f"num_generations: at least 2 completions per prompt are needed for the advantages, got "
+                         f"{args.num_generations}")
+    if per_step % args.num_generations:
+        raise ValueError(f"num_generations: the samples of a step ({args.per_device_train_batch_size} per device x "
+                         f"{args.gradient_accumulation_steps} accumulation steps x {world} processes = {per_step}) "
+                         f"are not whole groups of {args.num_generations} completions; make them a multiple of it")
+    if args.max_staleness < 0:
+        raise ValueError(f"max_staleness: must be >= 0, got {args.max_staleness}")
+    if args.weight_sync_steps < 1:
+        raise ValueError(f"weight_sync_steps: must be >= 1, got {args.weight_sync_steps}")
+    if args.max_inflight_tasks < 0:  # TRL's default: what can be trained on before it is stale, at least a step
+        s(args, "max_inflight_tasks", max(args.max_staleness, 1) * per_step)
+    if args.max_tool_calling_iterations is not None:
+        raise ValueError("max_tool_calling_iterations: tool calling is not run by raytrain's AsyncGRPOTrainer")
+    layout = args.parallelism_config or {}
+    for name in ("tp_size", "cp_size", "sp_size"):
+        if layout.get(name, 1) > 1:
+            raise ValueError(f"parallelism_config.{name}: not supported by AsyncGRPOTrainer (completions are "
+                             "scored on whole sequences and whole parameters); set it to 1")
+
+
+def refuse_vllm(args: Any) -> None:
+    """AsyncGRPOConfig's vLLM-server fields and token_budget, refused when raytrain's rollout actors generate (with a
+    TRL rollout_worker they are that worker's settings, and TRL's planner budgets its micro-batches)."""
+    if args.token_budget is not None and args.token_budget > 0:
+        raise ValueError(f"token_budget: a step trains on whole prompt groups of per_device_train_batch_size samples "
+                         f"per micro-batch here (token budgets plan a TRL rollout_worker's queue); set token_budget "
+                         f"0 or leave it unset, got {args.token_budget}")
+    for name, default in _VLLM_FIELDS.items():
+        if getattr(args, name) != default:
+            raise ValueError(f"{name}: only for a vLLM server, which raytrain's AsyncGRPOTrainer does not use (its "
+                             "rollout actors generate with transformers); leave it unset")

@@ -1,0 +1,1 @@
+python -m raytrain.run --config examples/grpo_async.yaml
