@@ -148,3 +148,149 @@ def test_help_sends_sweeps_to_where_they_live(capsys, monkeypatch):
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
     assert "a sweep's directory (OUTPUT_DIR/sweeps/NAME)" in text and "For a sweep (OUTPUT_DIR/sweeps/NAME," in text
     assert "OUTPUT_DIR/tune" not in text
+
+
+# ---------------------------------------------------------------- an RL run's overview
+
+
+def _rl_history(steps: int = 8, async_: bool = False) -> list[dict]:
+    """A log_history as GRPO / RLOO write it (two reward functions, clip ratios at 0), an evaluation every 4
+    steps; with `async_`, the async trainer's keys too."""
+    history = []
+    for s in range(1, steps + 1):
+        entry = {"loss": 0.01 * (s % 3), "grad_norm": 0.5 + 0.1 * (s % 2), "learning_rate": 5e-3 * (1 - s / steps),
+                 "reward": 0.3 + 0.05 * s, "reward_std": 0.3 - 0.01 * s, "rewards/correct_sum/mean": 0.05 * s,
+                 "rewards/correct_sum/std": 0.3, "rewards/brevity/mean": 0.3, "rewards/brevity/std": 0.05 * (s % 2),
+                 "kl": 0.004 * (s - 1), "entropy": 5.4 - 0.01 * s, "completions/mean_length": 8 - 0.25 * s,
+                 "completions/min_length": 4.0 + s % 2, "completions/clipped_ratio": 1 - 0.1 * s,
+                 "frac_reward_zero_std": 0.5 * (s % 2), "num_tokens": 376.0 * s, "step_time": 1.5,
+                 "clip_ratio/low_mean": 0.0, "clip_ratio/low_min": 0.0, "clip_ratio/high_mean": 0.0,
+                 "clip_ratio/high_max": 0.0, "clip_ratio/region_mean": 0.0, "epoch": s / 16, "step": s}
+        if async_:
+            entry.update({"sample/staleness_mean": 0.5 * (s > 1), "sample/staleness_max": float(s > 1),
+                          "sample/dropped_stale_total": 0.0, "perf/weight_sync_s": 0.1 + 0.01 * s,
+                          "perf/rollout_wait_s": 0.2 / s, "ratio": 1.0})
+        history.append(entry)
+        if s % 4 == 0:
+            history.append({"eval_loss": 0.002 * s, "eval_reward": 0.3 + 0.02 * s, "eval_reward_std": 0.1,
+                            "eval_rewards/correct_sum/mean": 0.01 * s, "eval_rewards/brevity/mean": 0.3,
+                            "eval_kl": 0.005 * s, "eval_entropy": 5.4, "eval_completions/mean_length": 8.0 - 0.1 * s,
+                            "eval_completions/min_length": 6.0, "eval_clip_ratio/low_mean": 0.0,
+                            "eval_num_tokens": 376.0 * s, "eval_runtime": 2.0, "eval_samples_per_second": 4.0,
+                            "epoch": s / 16, "step": s})
+    history.append({"train_runtime": 20.0, "train_loss": 0.006, "train_samples_per_second": 1.9, "total_flos": 0.0,
+                    "epoch": steps / 16, "step": steps})
+    return history
+
+
+_RL_PANELS = ["reward", "rewards/brevity/mean", "rewards/correct_sum/mean", "reward_std", "kl", "entropy",
+              "completions/mean_length"]
+_RL_DETAILS = ["completions/clipped_ratio", "frac_reward_zero_std", "clip_ratio/high_max", "clip_ratio/high_mean",
+               "clip_ratio/low_mean", "clip_ratio/low_min", "clip_ratio/region_mean"]
+
+
+@pytest.fixture
+def figures():
+    """Closes the figures a test drew."""
+    import matplotlib.pyplot as plt
+
+    yield
+    plt.close("all")
+
+
+def _titles(fig) -> list[str]:
+    return [ax.get_title() for ax in fig.axes if ax.axison]
+
+
+def _note(fig) -> str:
+    (note,) = [ax for ax in fig.axes if not ax.axison]
+    assert note.get_title(loc="left") == "constant over the run"
+    (text,) = note.texts
+    return text.get_text()
+
+
+def test_an_rl_overview_opens_with_reward_kl_entropy_and_length_each_with_its_eval_twin(figures):
+    from raytrain.report import overview_panels
+    from raytrain.tracking import plots
+
+    curves = training_curves(_rl_history())
+    assert list(curves)[:10] == _RL_PANELS + ["loss", "learning_rate", "grad_norm"]
+    assert {"completions/min_length", "rewards/brevity/std", "num_tokens", "step_time"} < set(curves)  # a PNG each
+    assert not {"epoch", "train_loss", "train_runtime", "total_flos", "eval_runtime"} & set(curves)
+    panels = overview_panels(curves)
+    assert list(panels) == _RL_PANELS + ["loss", "learning_rate", "grad_norm"] + _RL_DETAILS
+    assert list(panels["reward"]) == ["reward", "eval_reward"] and panels["reward"]["reward"] == curves["reward"]
+    assert panels["reward"]["eval_reward"] == ([4, 8], pytest.approx([0.38, 0.46]))
+    assert list(panels["loss"]) == ["loss", "eval_loss"] and list(panels["grad_norm"]) == ["grad_norm"]
+    fig = plots.draw_overview(panels, "grpo")
+    # rewards/brevity/mean (0.3 in train and eval) and the clip ratios never move: one note, no panel
+    assert _titles(fig) == ([t for t in _RL_PANELS if t != "rewards/brevity/mean"] + ["loss", "learning_rate",
+                            "grad_norm", "completions/clipped_ratio", "frac_reward_zero_std"])
+    assert _note(fig) == ("rewards/brevity/mean = 0.3\n"  # wrapped to the one free cell's width
+                          "clip_ratio/{high_max, high_mean, low_mean, low_min,\n  region_mean} = 0")
+    reward = fig.axes[0]
+    assert [line.get_label() for line in reward.get_lines()] == ["train", "eval"]
+    assert [line.get_linestyle() for line in reward.get_lines()] == ["-", "--"]
+
+
+def test_the_async_trainers_overview_adds_staleness_after_completion_length(figures):
+    from raytrain.report import overview_panels
+    from raytrain.tracking import plots
+
+    panels = overview_panels(training_curves(_rl_history(async_=True)))
+    assert list(panels) == (_RL_PANELS + ["sample/staleness_mean", "sample/staleness_max", "loss", "learning_rate",
+                            "grad_norm"] + _RL_DETAILS + ["ratio", "sample/dropped_stale_total",
+                            "perf/rollout_wait_s", "perf/weight_sync_s"])
+    fig = plots.draw_overview(panels, "async grpo")
+    titles = _titles(fig)
+    assert titles[titles.index("completions/mean_length") + 1:][:2] == ["sample/staleness_mean", "sample/staleness_max"]
+    assert "perf/weight_sync_s" in titles and "ratio" not in titles and "sample/dropped_stale_total" not in titles
+    assert "ratio = 1" in _note(fig) and "sample/dropped_stale_total = 0" in _note(fig)
+
+
+def test_a_plain_runs_overview_is_a_panel_per_curve_in_its_order(figures):
+    from raytrain.report import overview_panels
+    from raytrain.tracking import plots
+
+    curves = training_curves(_history())
+    panels = overview_panels(curves)
+    assert panels == {k: {k: v} for k, v in curves.items()}
+    fig = plots.draw_overview(panels, "digits", best_step=20)
+    assert _titles(fig) == ["loss", "learning_rate", "grad_norm", "eval_accuracy", "eval_loss"]
+    assert all(ax.axison for ax in fig.axes)  # nothing constant: no note
+    # a constant learning rate is a note; a metric logged once is a point, not a constant
+    history = [{**e, "learning_rate": 1e-3} if "loss" in e else e for e in _history()]
+    history.append({"eval_f1": 0.7, "step": 40})
+    fig = plots.draw_overview(overview_panels(training_curves(history)), "digits")
+    assert _titles(fig) == ["loss", "grad_norm", "eval_accuracy", "eval_f1", "eval_loss"]
+    assert _note(fig) == "learning_rate = 0.001"
+
+
+@pytest.mark.parametrize("history", [_rl_history(async_=True), _history()], ids=["rl", "plain"])
+def test_the_overviews_title_is_above_every_panel(history, figures):
+    from raytrain.report import overview_panels
+    from raytrain.tracking import plots
+
+    fig = plots.draw_overview(overview_panels(training_curves(history)), "a-run-name")
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    (title,) = [t for t in fig.texts if t.get_text() == "a-run-name"]
+    top = title.get_window_extent(renderer)
+    assert top.y1 <= fig.bbox.y1
+    for ax in fig.axes:
+        assert top.y0 >= ax.get_tightbbox(renderer).y1, ax.get_title()
+        for text in ax.texts:  # the note stays inside the figure
+            box = text.get_window_extent(renderer)
+            assert fig.bbox.x0 <= box.x0 and box.x1 <= fig.bbox.x1 and box.y0 >= fig.bbox.y0
+
+
+def test_report_of_an_rl_run_draws_its_reward(tmp_path):
+    history = [{"reward": 0.1 * s, "rewards/f/mean": 0.1 * s, "loss": 0.01 * s, "clip_ratio/low_mean": 0.0,
+                "step": s} for s in range(1, 5)] + [{"eval_reward": 0.2, "eval_clip_ratio/low_mean": 0.0, "step": 4}]
+    with open(tmp_path / "trainer_state.json", "w") as f:
+        json.dump({"log_history": history, "global_step": 4}, f)
+    written = write_report(str(tmp_path))
+    assert [os.path.basename(p) for p in written] == [
+        "reward.png", "rewards_f_mean.png", "loss.png", "clip_ratio_low_mean.png", "eval_clip_ratio_low_mean.png",
+        "eval_reward.png", "overview.png"]
+    _not_blank(written[-1])
