@@ -14,8 +14,14 @@ RUN = dict(max_steps=10, per_device_train_batch_size=4, gradient_accumulation_st
            gradient_checkpointing=False, report_to=[], disable_tqdm=True, save_strategy="no")
 
 
-def low_ids(completion_ids, **kwargs) -> list[float]:
-    """The fraction of a completion's tokens below 128 (the byte tokenizer's ASCII)."""
+def low_ids(completion_ids, slow_once: str | None = None, **kwargs) -> list[float]:
+    """The fraction of a completion's tokens below 128 (the byte tokenizer's ASCII). `slow_once`: a flag file; the
+    first call that finds it missing makes it, then hangs for a minute (a rollout actor gone silent)."""
+    import os
+
+    if slow_once is not None and not os.path.exists(slow_once):
+        open(slow_once, "w").close()
+        time.sleep(60)
     return [sum(1 for t in ids if t < 128) / max(len(ids), 1) for ids in completion_ids]
 
 
@@ -47,7 +53,7 @@ class KillActor(TrainerCallback):
             os.kill(self.killed, signal.SIGKILL)
 
 
-def trainer(out: str, workers: int = 0, callbacks=(), model=None, **kw):
+def trainer(out: str, workers: int = 0, callbacks=(), model=None, reward=None, **kw):
     from examples.grpo import build_datasets
     from examples.sft import build_model
     from raytrain.trl import AsyncGRPOConfig, AsyncGRPOTrainer
@@ -55,7 +61,7 @@ def trainer(out: str, workers: int = 0, callbacks=(), model=None, **kw):
     data = build_datasets(16, 4)
     args = AsyncGRPOConfig(output_dir=out, rollout={"num_workers": workers, "num_cpus_per_worker": 0.5},
                            **{**RUN, **kw})
-    return AsyncGRPOTrainer(model if model is not None else build_model(), reward_funcs=[low_ids], args=args,
+    return AsyncGRPOTrainer(model if model is not None else build_model(), reward_funcs=[reward or low_ids], args=args,
                             train_dataset=data["train"], processing_class=data["processing_class"],
                             eval_dataset=data["eval"], callbacks=list(callbacks))
 

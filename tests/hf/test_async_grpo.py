@@ -89,6 +89,9 @@ def test_evaluation_is_the_same_twice_and_on_any_pool(reference, tmp_path):
     ({"rollout": {"workers": 2}}, "unknown field"),
     ({"scaling": {"num_workers": [1, 2]}}, "scaling.num_workers: an elastic group is not supported"),
     ({"parallelism_config": {"tp_size": 2}, "scaling": {"num_workers": 2}}, "parallelism_config.tp_size"),
+    ({"parallelism_config": {"pp_size": 2}, "scaling": {"num_workers": 2}}, "parallelism_config.pp_size"),
+    ({"parallelism_config": {"cp_size": 2}, "scaling": {"num_workers": 2}}, "parallelism_config.cp_size"),
+    ({"parallelism_config": {"sp_size": 2}, "scaling": {"num_workers": 2}}, "parallelism_config.sp_size"),
 ])
 def test_settings_it_does_not_run_are_refused_in_one_line(tmp_path, kw, message):
     from raytrain.config.sections import ConfigError
@@ -111,6 +114,8 @@ def test_trainer_arguments_it_does_not_run_are_refused_in_one_line(tmp_path):
              ({"environment_factory": object}, "environment_factory: not supported"),
              ({"reward_funcs": "some/reward-model"}, "reward_funcs[0]: AsyncGRPOTrainer takes reward functions"),
              ({"train_dataset": Dataset.from_list([{"question": "1+1"}])}, "train_dataset: no 'prompt' column"),
+             ({"train_dataset": Dataset.from_list([{"prompt": "1+1", "image": "x.png"}])},
+              "train_dataset: image columns"),
              ({"train_dataset": None}, "`train_dataset` is required")]
     for kw, message in cases:
         with pytest.raises((ValueError, TypeError)) as e:

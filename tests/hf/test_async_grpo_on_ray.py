@@ -1,6 +1,6 @@
 """raytrain.trl's AsyncGRPOTrainer with its rollouts on Ray actors (raytrain-rollout-<i>) of the shared cluster: one
-actor, two actors (one of them SIGKILLed mid-run) and the trainer's own process give the same logged numbers and
-final weights bit for bit; generation of step n + 1 overlaps the training of step n (measured); a driver SIGKILLed
+actor (silent past heartbeat_stale_after_s once, restarted), two actors (one of them SIGKILLed mid-run) and the
+trainer's own process give the same logged numbers and final weights bit for bit; generation of step n + 1 overlaps the training of step n (measured); a driver SIGKILLed
 at a save resumes to the same run; 2 Ray Train workers (DDP, FSDP2, ZeRO-3) with 2 actors match one process."""
 
 from __future__ import annotations
@@ -25,10 +25,20 @@ def _equal_weights(a: dict, b: dict) -> None:
 
 @pytest.mark.timeout(600)
 def test_one_or_two_actors_a_killed_one_or_none_give_the_same_run(ray_cluster, reference, tmp_path):  # noqa: F811
+    import functools
+    import logging
+
     import ray
 
-    one = jobs.trainer(str(tmp_path / "one"), workers=1)
-    one.train()
+    from tests.tiny import logged
+
+    # one actor, silent for a minute on its first group: restarted after heartbeat_stale_after_s, the group again
+    slow = functools.partial(jobs.low_ids, slow_once=str(tmp_path / "slow"))
+    one = jobs.trainer(str(tmp_path / "one"), workers=1, reward=slow, heartbeat_stale_after_s=10)
+    with logged("raytrain", logging.WARNING) as records:
+        one.train()
+    assert any("raytrain-rollout-0 silent for" in r.getMessage() for r in records), [r.getMessage() for r in records]
+    assert one.rollout_restarts >= 1
     assert jobs.steps(one) == reference["steps"]
     _equal_weights(jobs.weights(one.model), reference["weights"])
     assert {w for _, _, w, _, _ in one.rollout_timeline} == {"raytrain-rollout-0"}
