@@ -15,3 +15,4 @@ python benchmarks/gpu_train.py --batch 16 --seq 1024 --warmup 10 --steps 40 --ro
 bash benchmarks/gpu.sh --fetch-wheels
 OUT=gpu-results bash benchmarks/gpu.sh
 python benchmarks/hf_trainer_tests.py --tests ../transformers/tests --all --json hf-tests.json
+python benchmarks/trl_async_tests.py --tests ../trl/tests/experimental/test_async_grpo_trainer.py pr5911_test_async_grpo_trainer.py --json trl-async-tests.json
