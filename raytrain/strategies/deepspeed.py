@@ -54,8 +54,7 @@ class DeepSpeedStrategy(TorchDistributedMixin, Strategy):
     def setup(self, model, optimizer_factory, optimizer=None):
         import deepspeed
 
-        with _no_shm_kernel() if self.device.type == "cpu" else contextlib.nullcontext():
-            deepspeed.init_distributed(dist_backend="gloo" if self.device.type == "cpu" else "nccl")
+        init_comm(self.device)
         if self.args.gradient_checkpointing:
             enable_gradient_checkpointing(model)
         kwargs: dict[str, Any] = {"model": model, "config": copy.deepcopy(self.config)}
@@ -339,6 +338,16 @@ def _fill(section: dict, key: str, value, source: str, prefix: str = "") -> None
                                    and float(current) == value):
         raise ValueError(f"distributed.deepspeed.{prefix}{key}={current!r} contradicts {source} ({value!r}); "
                          f'set it to "auto" or to the same value')
+
+
+def init_comm(device: torch.device) -> None:
+    """deepspeed.comm over the process group already initialised (gloo on CPU, nccl on GPU)."""
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read when deepspeed is first imported
+    import deepspeed
+
+    with _no_shm_kernel() if device.type == "cpu" else contextlib.nullcontext():
+        deepspeed.init_distributed(dist_backend="gloo" if device.type == "cpu" else "nccl")
 
 
 @contextlib.contextmanager

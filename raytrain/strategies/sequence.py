@@ -1,0 +1,106 @@
+"""Sequence parallelism (parallelism_config.sp_size, HF's ALST with sp_backend "deepspeed"): the ranks of a
+sequence group (consecutive ranks, DeepSpeed's parallel_state_sp layout) read the same batch and each trains on
+its slice of every sequence; attention runs through DeepSpeed's UlyssesSPAttentionHF, which trades the slices
+for whole sequences of sp_size-th of the heads (all-to-all) around the model's own attention.
+
+What of DeepSpeed runs as it is: UlyssesSPAttentionHF (its all-to-all and position-id gather, over gloo on CPU);
+one instance per micro-batch size, as it checks shapes against the size it was built with. What is written here
+instead, and why:
+- the batch's slice (`shard`): UlyssesSPDataLoaderAdapter's per-batch work (global position ids, labels shifted
+  before the cut, each tensor cut along the sequence), without its gather of the peers' batches: those are the
+  same batch here (data is sharded by data-parallel rank, so the loop's sample-counted position resumes on any
+  layout), and its all_gather of batches of unequal lengths fails on gloo ("invalid tensor size");
+- the groups: torch process groups, not DeepSpeed's parallel_state_sp (module-global, initialised once per
+  process), and the DeepSpeed engine is not given it as its mpu (deepspeed.utils.groups.mpu outlives the engine):
+  every backend reduces gradients over all ranks, which the loss scale accounts for (Strategy.gradient_scale).
+register_with_transformers (process-wide override of the model's attention key, eager refused, masks dropped)
+is replaced by hf/sequence.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+import torch
+
+
+class SequenceParallel:
+    """This rank's place in its sequence group, the batch slicing, and the Ulysses attention for a model."""
+
+    def __init__(self, dims: Any, rank: int, device: torch.device):
+        from .deepspeed import init_comm
+
+        self.size, self.rank = dims.sp, dims.seq_rank(rank)
+        self.group = dims.seq_group(rank)
+        self.device = device
+        self._attention: dict[tuple, torch.nn.Module] = {}
+        init_comm(device)  # deepspeed.comm over the existing process group: Ulysses' collectives go through it
+
+    def shards(self, source: Any) -> Any:
+        """The training source whose batches are this rank's slices."""
+        return Shards(source, self.shard)
+
+    def shard(self, batch: dict) -> dict:
+        """This rank's slice of a batch, as UlyssesSPDataLoaderAdapter cuts it: position ids of the whole sequence
+        (made when missing: 0..L-1 per row), labels shifted before the cut (shift_labels, and labels the same,
+        as HF's deepspeed_sp_compute_loss passes them), then every [batch, L, ...] tensor cut into sp_size parts."""
+        ids = batch.get("input_ids")
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+            raise ValueError("parallelism_config.sp_size: sequence parallelism needs batches with 2-D input_ids "
+                             f"(rows x tokens); got {sorted(batch)}")
+        length = ids.shape[1]
+        if length % self.size:
+            raise ValueError(f"parallelism_config.sp_size: {self.size} must divide every batch's sequence length, got "
+                             f"{length}; pad batches to a multiple of it (the collator's pad_to_multiple_of, as HF)")
+        out = dict(batch)
+        if "position_ids" not in out:
+            out["position_ids"] = torch.arange(length, device=ids.device).expand(ids.shape[0], -1)
+        labels = out.get("labels")
+        if isinstance(labels, torch.Tensor) and "shift_labels" not in out:
+            out["shift_labels"] = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+        if "shift_labels" in out:
+            out["labels"] = out["shift_labels"]
+        chunk = length // self.size
+        cut = slice(chunk * self.rank, chunk * (self.rank + 1))
+        return {k: v[:, cut].contiguous() if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == length
+                else v for k, v in out.items()}
+
+    def check_heads(self, heads: int, kv_heads: int) -> None:
+        """Ulysses gives each rank sp_size-th of the heads: one line when they do not split (DeepSpeed's rule)."""
+        if heads % self.size:
+            raise ValueError(f"parallelism_config.sp_size: {self.size} must divide the model's num_attention_heads "
+                             f"({heads})")
+        if kv_heads % self.size and self.size % kv_heads:
+            raise ValueError(f"parallelism_config.sp_size: {self.size} must divide the model's num_key_value_heads "
+                             f"({kv_heads}) or be a multiple of it")
+
+    def attention(self, core: Callable, batch_size: int, heads: int, kv_heads: int, head_dim: int,
+                  layers: int) -> torch.nn.Module:
+        """DeepSpeed's UlyssesSPAttentionHF around `core` (the model's attention) for this micro-batch size; in eval
+        mode it calls `core` on the rank's whole sequences (disable_in_eval, as accelerate sets it)."""
+        key = (id(core), batch_size, heads, kv_heads, head_dim)
+        if key not in self._attention:
+            from deepspeed.runtime.sequence_parallel.ulysses_sp import UlyssesSPAttentionHF
+
+            self._attention[key] = UlyssesSPAttentionHF(
+                attn=core, batch_size=batch_size, attn_head_count=heads, attn_head_size=head_dim,
+                kv_head_count=kv_heads, num_hidden_layers=layers, process_group=self.group,
+                seq_length_is_variable=True, disable_in_eval=True)
+        return self._attention[key]
+
+
+class Shards:
+    """A training source whose batches go through `cut`; every other attribute (length, state, position) is the
+    source's, so the loop counts and resumes it as the source."""
+
+    def __init__(self, source: Any, cut: Callable[[dict], dict]):
+        self.__dict__.update(source=source, cut=cut)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["source"], name)
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def iter_batches(self, epoch: int, start: int = 0) -> Iterator[dict]:
+        return map(self.cut, self.source.iter_batches(epoch, start))
