@@ -106,7 +106,7 @@ class FSDPStrategy(TorchDistributedMixin, Strategy):
             if self.pipeline.tied_trainable:
                 self.pipeline.tied_group = self.dims.tied_group(self.rank)
             self.pipeline.sync_group = torch.distributed.group.WORLD if self.dims.dp > 1 else None
-        if self.dims.dp > 1:  # tp alone: no data-parallel dim to shard over
+        if self.dims.shards > 1:  # tp alone: no data-parallel dim to shard over
             for block in blocks:
                 fully_shard(block, **kwargs)
             for root in roots:
@@ -114,7 +114,7 @@ class FSDPStrategy(TorchDistributedMixin, Strategy):
             if self.pipeline is None and callable(getattr(model, "generate", None)):
                 # generate() enters at the root, as forward does (a PEFT model's reaches its blocks without it)
                 register_fsdp_forward_method(model, "generate")
-        if self.dims.dp > 1 and self.dims.tp == 1 and self.pipeline is None:
+        if self.dims.shards > 1 and self.dims.tp == 1 and self.pipeline is None:
             self._frozen_kwargs = {**kwargs, "reshard_after_forward": True}
         self.optimizer = optimizer_factory(model)
         if self.dims.tp > 1:
@@ -204,7 +204,7 @@ class FSDPStrategy(TorchDistributedMixin, Strategy):
         from torch.distributed.fsdp import FSDPModule
 
         root = self.unwrap(self.model)
-        if self.dims.dp == 1 or not isinstance(root, FSDPModule):
+        if self.dims.shards == 1 or not isinstance(root, FSDPModule):
             yield
             return
         root.set_reshard_after_forward(False)
@@ -221,7 +221,7 @@ class FSDPStrategy(TorchDistributedMixin, Strategy):
 
     # -- the step
     def no_sync(self):
-        if self.dims.dp == 1 or self.pipeline is not None:  # a pipeline step reduces its own gradients
+        if self.dims.shards == 1 or self.pipeline is not None:  # a pipeline step reduces its own gradients
             return contextlib.nullcontext()
         return _requires_gradient_sync(self.unwrap(self.model), False)
 

@@ -131,6 +131,11 @@ class ParallelDims:
         return self.pp * self.stages_per_rank
 
     @property
+    def shards(self) -> int:
+        """The ranks FSDP2 shards over: the data-parallel ones and a sequence group's (torchtitan's dp_shard_cp)."""
+        return self.dp * self.seq
+
+    @property
     def seq(self) -> int:
         """The ranks that split one sequence (sp or cp; they read the same batch)."""
         return self.sp * self.cp

@@ -41,29 +41,7 @@ class SequenceParallel:
         return Shards(source, self.shard)
 
     def shard(self, batch: dict) -> dict:
-        """This rank's slice of a batch, as UlyssesSPDataLoaderAdapter cuts it: position ids of the whole sequence
-        (made when missing: 0..L-1 per row), labels shifted before the cut (shift_labels, and labels the same,
-        as HF's deepspeed_sp_compute_loss passes them), then every [batch, L, ...] tensor cut into sp_size parts."""
-        ids = batch.get("input_ids")
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
-            raise ValueError("parallelism_config.sp_size: sequence parallelism needs batches with 2-D input_ids "
-                             f"(rows x tokens); got {sorted(batch)}")
-        length = ids.shape[1]
-        if length % self.size:
-            raise ValueError(f"parallelism_config.sp_size: {self.size} must divide every batch's sequence length, got "
-                             f"{length}; pad batches to a multiple of it (the collator's pad_to_multiple_of, as HF)")
-        out = dict(batch)
-        if "position_ids" not in out:
-            out["position_ids"] = torch.arange(length, device=ids.device).expand(ids.shape[0], -1)
-        labels = out.get("labels")
-        if isinstance(labels, torch.Tensor) and "shift_labels" not in out:
-            out["shift_labels"] = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
-        if "shift_labels" in out:
-            out["labels"] = out["shift_labels"]
-        chunk = length // self.size
-        cut = slice(chunk * self.rank, chunk * (self.rank + 1))
-        return {k: v[:, cut].contiguous() if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == length
-                else v for k, v in out.items()}
+        return cut(batch, self.rank, self.size)
 
     def check_heads(self, heads: int, kv_heads: int) -> None:
         """Ulysses gives each rank sp_size-th of the heads: one line when they do not split (DeepSpeed's rule)."""
@@ -104,3 +82,29 @@ class Shards:
 
     def iter_batches(self, epoch: int, start: int = 0) -> Iterator[dict]:
         return map(self.cut, self.source.iter_batches(epoch, start))
+
+
+def cut(batch: dict, rank: int, size: int) -> dict:
+    """Rank `rank`'s slice of a batch, as UlyssesSPDataLoaderAdapter cuts it: position ids of the whole sequence
+    (made when missing: 0..L-1 per row), labels shifted before the cut (shift_labels, and labels the same, as HF's
+    deepspeed_sp_compute_loss passes them), then every [batch, L, ...] tensor cut into `size` parts."""
+    ids = batch.get("input_ids")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
+        raise ValueError("parallelism_config.sp_size: sequence parallelism needs batches with 2-D input_ids "
+                         f"(rows x tokens); got {sorted(batch)}")
+    length = ids.shape[1]
+    if length % size:
+        raise ValueError(f"parallelism_config.sp_size: {size} must divide every batch's sequence length, got {length}; "
+                         "pad batches to a multiple of it (the collator's pad_to_multiple_of, as HF)")
+    out = dict(batch)
+    if "position_ids" not in out:
+        out["position_ids"] = torch.arange(length, device=ids.device).expand(ids.shape[0], -1)
+    labels = out.get("labels")
+    if isinstance(labels, torch.Tensor) and labels.shape[1:2] == (length,) and "shift_labels" not in out:
+        out["shift_labels"] = torch.nn.functional.pad(labels, (0, 1), value=-100)[:, 1:]
+    if "shift_labels" in out:
+        out["labels"] = out["shift_labels"]
+    chunk = length // size
+    part = slice(chunk * rank, chunk * (rank + 1))
+    return {k: v[:, part].contiguous() if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == length
+            else v for k, v in out.items()}
