@@ -250,6 +250,10 @@ class ArgumentRules(StrictModel):
             return
         self.__dict__["parallelism_config"] = sizes
         scaling, dist = self.scaling, self.distributed
+        if sizes["cp_size"] > 1 and not scaling.use_gpu:  # first: on CPU, whatever the other sizes
+            raise ConfigError(f"parallelism_config.cp_size: context parallelism needs CUDA (torch's ring attention has "
+                              f"no CPU kernel); on CPU and gloo split the sequence with sp_size (DeepSpeed Ulysses), got "
+                              f"cp_size {sizes['cp_size']}")
         try:
             dims = ParallelDims.resolve(sizes, scaling.num_workers)
         except ValueError as e:
@@ -258,10 +262,6 @@ class ArgumentRules(StrictModel):
             if size > 1 and scaling.elastic:
                 raise ConfigError(f"parallelism_config.{name}: {size} with an elastic scaling.num_workers range "
                                   f"is not supported; fix num_workers or set {name} 1")
-        if dims.cp > 1 and not scaling.use_gpu:
-            raise ConfigError(f"parallelism_config.cp_size: context parallelism needs CUDA (torch's ring attention has "
-                              f"no CPU kernel); on CPU and gloo split the sequence with sp_size (DeepSpeed Ulysses), got "
-                              f"cp_size {dims.cp}")
         if dims.pp > 1 and dist.strategy in ("ddp", "deepspeed"):
             raise ConfigError(f"parallelism_config.pp_size: pipeline stages need distributed.strategy fsdp (or "
                               f"auto), not {dist.strategy}")

@@ -19,6 +19,8 @@ is replaced by hf/sequence.py.
 
 from __future__ import annotations
 
+import contextlib
+import os
 from typing import Any, Callable, Iterator
 
 import torch
@@ -28,8 +30,6 @@ class SequenceParallel:
     """This rank's place in its sequence group, the batch slicing, and the Ulysses attention for a model."""
 
     def __init__(self, dims: Any, rank: int, device: torch.device):
-        from .deepspeed import init_comm
-
         self.size, self.rank = dims.sp, dims.seq_rank(rank)
         self.group = dims.seq_group(rank)
         self.device = device
@@ -108,3 +108,29 @@ def cut(batch: dict, rank: int, size: int) -> dict:
     part = slice(chunk * rank, chunk * (rank + 1))
     return {k: v[:, part].contiguous() if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == length
             else v for k, v in out.items()}
+
+
+def init_comm(device: torch.device) -> None:
+    """deepspeed.comm over the process group already initialised (gloo on CPU, nccl on GPU)."""
+    if device.type == "cpu":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")  # read when deepspeed is first imported
+    import deepspeed
+
+    with _no_shm_kernel() if device.type == "cpu" else contextlib.nullcontext():
+        deepspeed.init_distributed(dist_backend="gloo" if device.type == "cpu" else "nccl")
+
+
+@contextlib.contextmanager
+def _no_shm_kernel():
+    """On CPU, DeepSpeed's communication backend JIT-compiles a shared-memory all-reduce kernel the first
+    time a node starts it (about a minute of C++ on 2 cores, both ranks waiting). Only its
+    inference_all_reduce uses that kernel; training's collectives go through gloo, so it is skipped."""
+    import importlib
+
+    ds_comm = importlib.import_module("deepspeed.comm.torch")  # the package's `torch` attribute is torch itself
+    build = ds_comm.build_shm_op
+    ds_comm.build_shm_op = lambda: None
+    try:
+        yield
+    finally:
+        ds_comm.build_shm_op = build
