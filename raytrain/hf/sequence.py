@@ -1,5 +1,5 @@
-"""sp_size on a transformers model (the bridge's part of HF's ALST), and the Trainer's step under it (a mixin of
-trainer.Trainer).
+"""sp_size (and cp_size) on a transformers model (the bridge's part of HF's ALST), and the Trainer's step under
+them (a mixin of trainer.Trainer).
 
 The model's attention key (config._attn_implementation) becomes one registered for the run, whose function hands
 query, key and value to DeepSpeed's UlyssesSPAttentionHF (strategies/sequence.py) around the model's own sdpa,
@@ -34,14 +34,15 @@ def _base(model: Any) -> Any:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
-def check_model(model: Any, sp: int) -> None:
-    """What Ulysses needs of the model, each in one line: a transformers config, heads that split over sp_size,
-    an attention it can wrap, and only full-attention layers (a sliding window or a recurrent layer sees the
-    sequence otherwise)."""
+def check_model(model: Any, sp: int, cp: int = 1) -> None:
+    """What Ulysses (sp) or ring attention (cp) needs of the model, each in one line: a transformers config, heads
+    that split over sp_size, an attention it can wrap (cp: SDPA), and only full-attention layers (a sliding window
+    or a recurrent layer sees the sequence otherwise)."""
+    field = "sp_size" if cp == 1 else "cp_size"
     config = getattr(_base(model), "config", None)
     if config is None or not hasattr(config, "get_text_config"):
-        raise ValueError(f"parallelism_config.sp_size: {type(_base(model)).__name__} is not a transformers model; "
-                         "DeepSpeed's Ulysses wraps a transformers model's attention")
+        raise ValueError(f"parallelism_config.{field}: {type(_base(model)).__name__} is not a transformers model; "
+                         "raytrain splits a transformers model's attention")
     text = config.get_text_config()
     heads = text.num_attention_heads
     kv = getattr(text, "num_key_value_heads", None) or heads
@@ -50,13 +51,13 @@ def check_model(model: Any, sp: int) -> None:
     if kv % sp and sp % kv:
         raise ValueError(f"parallelism_config.sp_size: {sp} must divide the model's num_key_value_heads ({kv}) or be "
                          "a multiple of it")
-    core = _core_name(config)
-    if core not in _CORES:
-        raise ValueError(f"parallelism_config.sp_size: attention {core!r} cannot run under Ulysses here; load the "
-                         f"model with attn_implementation one of {', '.join(_CORES)}")
+    core, cores = _core_name(config), _CORES if cp == 1 else ("sdpa",)
+    if core not in cores:
+        raise ValueError(f"parallelism_config.{field}: attention {core!r} cannot be split here; load the model with "
+                         f"attn_implementation {' or '.join(cores)}")
     kinds = set(getattr(text, "layer_types", None) or [])
     if kinds - {"full_attention"} or (not kinds and getattr(text, "sliding_window", None)):
-        raise ValueError(f"parallelism_config.sp_size: {type(_base(model)).__name__} has layers other than full "
+        raise ValueError(f"parallelism_config.{field}: {type(_base(model)).__name__} has layers other than full "
                          f"attention ({', '.join(sorted(kinds - {'full_attention'})) or 'sliding_window'}), which "
                          "Ulysses' whole-sequence causal mask does not express; use sp_size 1")
 
@@ -71,13 +72,15 @@ def attach(model: Any, sequence: Any) -> None:
     config = _base(model).config
     if (config._attn_implementation or "").startswith(_PREFIX):
         return
-    check_model(model, sequence.size)
+    ring = sequence.kind == "cp"
+    check_model(model, 1 if ring else sequence.size, sequence.size if ring else 1)
     from transformers import AttentionInterface
 
     core = _core_name(config)
     key = f"{_PREFIX}{next(_runs)}:{core}"
     layers = config.get_text_config().num_hidden_layers
-    AttentionInterface.register(key, partial(_ulysses, sequence=sequence, core=partial(_attend, core), layers=layers))
+    fn = _causal_sdpa if ring else partial(_ulysses, sequence=sequence, core=partial(_attend, core), layers=layers)
+    AttentionInterface.register(key, fn)
     config._attn_implementation = key
 
 
@@ -97,6 +100,15 @@ def _ulysses(module, query, key, value, attention_mask, *args, sequence, core, l
     finally:  # DeepSpeed rewrites it when it replicates kv heads (sp_size > kv heads); evaluation needs the model's
         if groups is not None:
             module.num_key_value_groups = groups
+
+
+def _causal_sdpa(module, query, key, value, attention_mask, *args, **kwargs):
+    """cp_size: causal SDPA without a mask, which context_parallel turns into ring attention (accelerate's hooks
+    drop the mask the same way); no mask was built for the shard (an unknown key gets none)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    kwargs["is_causal"] = True
+    return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, key, value, None, *args, **kwargs)
 
 
 def _attend(core: str, module, query, key, value, attention_mask, *args, **kwargs):
@@ -140,20 +152,25 @@ class SequenceMethods:
 
     @contextlib.contextmanager
     def _sequence_step(self, model, inputs: dict):
-        """Around a training step's forward and backward: under sp_size the model's attention through Ulysses."""
+        """Around a training step's forward and backward: under sp_size the model's attention through Ulysses;
+        under cp_size through ring attention, inside torch's context_parallel."""
         sequence = self.get_strategy().sequence
-        if sequence is not None:
-            self._check_sequence_loss()
-            attach(model, sequence)
-        yield
+        if sequence is None:
+            yield
+            return
+        self._check_sequence_loss()
+        attach(model, sequence)
+        with sequence.step(inputs):
+            yield
 
     def _check_layout(self) -> None:
         """Before any worker starts: the pipeline's split, and what Ulysses needs of the model; one line each."""
         self._check_pipeline()
-        sp = (self.args.parallelism_config or {}).get("sp_size", 1)
-        if sp > 1:
+        config = self.args.parallelism_config or {}
+        sp, cp = config.get("sp_size", 1), config.get("cp_size", 1)
+        if sp > 1 or cp > 1:
             self._check_sequence_loss()
-            check_model(self.model, sp)
+            check_model(self.model, sp, cp)
 
     def _label_shift(self, model, inputs: dict) -> bool:
         """Whether the label smoother shifts the labels: a causal LM's, unless the batch's are shifted already
@@ -162,6 +179,6 @@ class SequenceMethods:
 
     def _check_sequence_loss(self) -> None:
         if self.compute_loss_func is not None:  # as TRL's SFTTrainer under ALST
-            raise ValueError("compute_loss_func: not supported with parallelism_config.sp_size (each rank holds a "
-                             "slice of the logits and its labels shifted before the cut); the model's own loss is "
-                             "summed over the ranks instead")
+            raise ValueError("compute_loss_func: not supported with parallelism_config.sp_size or cp_size (each rank "
+                             "holds a slice of the logits and its labels shifted before the cut); the model's own loss "
+                             "is summed over the ranks instead")

@@ -209,16 +209,17 @@ class ParallelDims:
         return mine
 
     def dp_group(self, rank: int):
-        """The process group of `rank`'s data-parallel peers (same stage, same TP index); every rank calls it."""
+        """The process group of `rank`'s data-parallel peers (same stage, context and TP index); every rank calls it."""
         import torch.distributed as dist
 
         mine = None
         for p in range(self.pp):  # every rank creates every group, in the same order
-            for t in range(self.tp):
-                ranks = [(p * self.dp + d) * self.tp + t for d in range(self.dp)]
-                group = dist.new_group(ranks)
-                if rank in ranks:
-                    mine = group
+            for s in range(self.seq):
+                for t in range(self.tp):
+                    ranks = [((p * self.dp + d) * self.seq + s) * self.tp + t for d in range(self.dp)]
+                    group = dist.new_group(ranks)
+                    if rank in ranks:
+                        mine = group
         return mine
 
     def tied_group(self, rank: int):

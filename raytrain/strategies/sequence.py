@@ -29,6 +29,8 @@ import torch
 class SequenceParallel:
     """This rank's place in its sequence group, the batch slicing, and the Ulysses attention for a model."""
 
+    kind = "sp"
+
     def __init__(self, dims: Any, rank: int, device: torch.device):
         self.size, self.rank = dims.sp, dims.seq_rank(rank)
         self.group = dims.seq_group(rank)
@@ -42,6 +44,10 @@ class SequenceParallel:
 
     def shard(self, batch: dict) -> dict:
         return cut(batch, self.rank, self.size)
+
+    def step(self, inputs: dict):
+        """Around a training step: nothing (Ulysses is in the model's attention)."""
+        return contextlib.nullcontext()
 
     def check_heads(self, heads: int, kv_heads: int) -> None:
         """Ulysses gives each rank sp_size-th of the heads: one line when they do not split (DeepSpeed's rule)."""
@@ -67,6 +73,43 @@ class SequenceParallel:
         return self._attention[key]
 
 
+class ContextParallel:
+    """cp_size > 1 (CUDA, FSDP2 over the data-parallel and context ranks): torch's context_parallel, as transformers'
+    Trainer (accelerate's maybe_context_parallel) and torchtitan run it. A context group reads the same batch;
+    each training step shards the batch's sequence tensors in place (torch's load balancer) inside the context,
+    where SDPA is ring attention; the model's attention is causal SDPA without a mask (hf/sequence.py, as
+    accelerate's hooks). Loss items and tokens are counted on the whole batch, over the data-parallel ranks."""
+
+    kind = "cp"
+
+    def __init__(self, mesh: Any, size: int):
+        self.mesh, self.size = mesh, size
+
+    def shards(self, source: Any) -> Any:
+        return Shards(source, self.shard)
+
+    def shard(self, batch: dict) -> dict:
+        """The whole batch, ready to be split: global position ids, labels shifted before the split, no padding
+        mask (ring attention is causal only: pad on the right, labels -100); packed rows refused."""
+        out = cut(batch, 0, 1, multiple=2 * self.size)  # the load balancer splits each sequence in 2 x cp_size
+        out.pop("attention_mask", None)
+        if (out["position_ids"].diff(dim=1) != 1).any():
+            raise ValueError("parallelism_config.cp_size: ring attention cannot keep packed sequences apart (the "
+                             "position ids restart inside a row); use sp_size, or unpacked rows")
+        return out
+
+    @contextlib.contextmanager
+    def step(self, inputs: dict):
+        from torch.distributed.tensor.experimental import context_parallel
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        length = inputs["input_ids"].shape[1]
+        buffers = [v for v in inputs.values() if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == length]
+        kernels = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
+        with sdpa_kernel(kernels), context_parallel(self.mesh, buffers=buffers, buffer_seq_dims=[1] * len(buffers)):
+            yield
+
+
 class Shards:
     """A training source whose batches go through `cut`; every other attribute (length, state, position) is the
     source's, so the loop counts and resumes it as the source."""
@@ -84,18 +127,20 @@ class Shards:
         return map(self.cut, self.source.iter_batches(epoch, start))
 
 
-def cut(batch: dict, rank: int, size: int) -> dict:
+def cut(batch: dict, rank: int, size: int, multiple: int | None = None) -> dict:
     """Rank `rank`'s slice of a batch, as UlyssesSPDataLoaderAdapter cuts it: position ids of the whole sequence
     (made when missing: 0..L-1 per row), labels shifted before the cut (shift_labels, and labels the same, as HF's
-    deepspeed_sp_compute_loss passes them), then every [batch, L, ...] tensor cut into `size` parts."""
+    deepspeed_sp_compute_loss passes them), then every [batch, L, ...] tensor cut into `size` parts. `multiple`:
+    what the length must be a multiple of (default `size`; context parallelism's is 2 x cp_size)."""
+    field, multiple = ("sp_size", size) if multiple is None else ("cp_size", multiple)
     ids = batch.get("input_ids")
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2:
-        raise ValueError("parallelism_config.sp_size: sequence parallelism needs batches with 2-D input_ids "
+        raise ValueError(f"parallelism_config.{field}: splitting sequences needs batches with 2-D input_ids "
                          f"(rows x tokens); got {sorted(batch)}")
     length = ids.shape[1]
-    if length % size:
-        raise ValueError(f"parallelism_config.sp_size: {size} must divide every batch's sequence length, got {length}; "
-                         "pad batches to a multiple of it (the collator's pad_to_multiple_of, as HF)")
+    if length % multiple:
+        raise ValueError(f"parallelism_config.{field}: {multiple} must divide every batch's sequence length, got "
+                         f"{length}; pad batches to a multiple of it (the collator's pad_to_multiple_of, as HF)")
     out = dict(batch)
     if "position_ids" not in out:
         out["position_ids"] = torch.arange(length, device=ids.device).expand(ids.shape[0], -1)

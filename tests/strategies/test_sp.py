@@ -291,9 +291,13 @@ def test_models_and_batches_ulysses_cannot_split_are_refused_in_one_line(tmp_pat
          SP2, {}, "parallelism_config.sp_size: MistralForCausalLM has layers other than full attention (sliding_window)"),
         (tiny_llama(), SP2, {"compute_loss_func": lambda outputs, labels, num_items_in_batch=None: outputs.logits.sum()},
          "compute_loss_func: not supported with parallelism_config.sp_size"),
+        (tiny_llama(attn="eager"), {"cp_size": 2}, {}, "parallelism_config.cp_size: attention 'eager' cannot be split "
+                                                       "here; load the model with attn_implementation sdpa"),
     ]
     for model, config, kw, message in cases:
-        trainer = Trainer(model, TrainingArguments(**_args(tmp_path, config)), train_dataset=token_rows(8), **kw)
+        gpu = {"scaling": {"num_workers": 4, "use_gpu": True}} if "cp_size" in config else {}
+        trainer = Trainer(model, TrainingArguments(**{**_args(tmp_path, config), **gpu}), train_dataset=token_rows(8),
+                          **kw)
         with pytest.raises(ConfigError) as e:  # the CLI's exit 2
             trainer.train()
         assert message in str(e.value) and "\n" not in str(e.value), str(e.value)
@@ -307,6 +311,15 @@ def test_models_and_batches_ulysses_cannot_split_are_refused_in_one_line(tmp_pat
     assert [p["position_ids"].tolist() for p in parts] == [[[0, 1, 2, 3]], [[4, 5, 6, 7]]]
     assert [p["shift_labels"].tolist() for p in parts] == [[[1, 2, 3, 4]], [[5, 6, 7, -100]]]
     assert all(torch.equal(p["labels"], p["shift_labels"]) for p in parts)
+    # cp_size: the whole batch for torch's context_parallel to split, no padding mask, packed rows refused
+    from raytrain.strategies.sequence import ContextParallel
+
+    whole = ContextParallel(None, 2).shard({**batch, "attention_mask": torch.ones(1, 8, dtype=torch.long)})
+    assert sorted(whole) == ["input_ids", "labels", "position_ids", "shift_labels"] and whole["input_ids"].shape == (1, 8)
+    with pytest.raises(ValueError, match=r"^parallelism_config.cp_size: 4 must divide every batch's sequence length"):
+        ContextParallel(None, 2).shard({"input_ids": torch.zeros(1, 6, dtype=torch.long)})
+    with pytest.raises(ValueError, match=r"^parallelism_config.cp_size: ring attention cannot keep packed sequences"):
+        ContextParallel(None, 2).shard({**batch, "position_ids": torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])})
 
 
 def test_trl_trainers_other_than_sft_refuse_sp(tmp_path):
@@ -316,3 +329,40 @@ def test_trl_trainers_other_than_sft_refuse_sp(tmp_path):
     with pytest.raises(ConfigError, match=r"^parallelism_config.sp_size: sequence parallelism is not supported by "
                                           r"raytrain.trl's DPOTrainer"):
         DPOConfig(str(tmp_path), scaling={"num_workers": 4}, parallelism_config=SP2, bf16=False)
+
+
+def _cp_rank(rank: int, root: str, port: int) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
+    import torch.distributed as dist
+
+    from raytrain import Trainer
+    from raytrain.worker import loop
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    args = lm_args(os.path.join(root, "cp2"), "single", {"strategy": "fsdp"}, save_strategy="no",
+                   scaling={"num_workers": 2, "use_gpu": True}, parallelism_config={"cp_size": 2})
+    trainer = Trainer(tiny_llama(), args, train_dataset=token_rows())
+    loop.train(trainer, None)
+    if rank == 0:
+        with open(os.path.join(root, "cp2.json"), "w") as f:
+            json.dump(_losses(trainer), f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="cp_size 2 needs 2 CUDA devices")
+@pytest.mark.timeout(300)
+def test_cp2_on_two_gpus_matches_one_gpu(tmp_path):
+    """torch's context_parallel (ring attention) under FSDP2 on 2 GPUs: one GPU's losses (benchmarks/gpu.sh)."""
+    import torch.multiprocessing as mp
+
+    from raytrain import Trainer
+
+    mp.spawn(_cp_rank, args=(str(tmp_path), _free_port()), nprocs=2, join=True)
+    one = Trainer(tiny_llama(), lm_args(str(tmp_path / "one"), save_strategy="no", scaling={"num_workers": 1,
+                                                                                          "use_gpu": True}),
+                  train_dataset=token_rows())
+    one.train()
+    got = json.loads((tmp_path / "cp2.json").read_text())
+    assert _losses(one)[-1] < _losses(one)[0] and got == pytest.approx(_losses(one), abs=1e-4)
