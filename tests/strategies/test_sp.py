@@ -331,6 +331,26 @@ def test_trl_trainers_other_than_sft_refuse_sp(tmp_path):
         DPOConfig(str(tmp_path), scaling={"num_workers": 4}, parallelism_config=SP2, bf16=False)
 
 
+@pytest.mark.ray
+@pytest.mark.timeout(900)
+@pytest.mark.long  # ~2 min: by default the same layouts run on spawned gloo processes (the `layouts` fixture)
+def test_ray_workers_split_sequences_as_one_process(ray_cluster, one_process, tmp_path):
+    """sp2 x dp2 (ZeRO-2) and sp4 (FSDP2) on 4 Ray workers through Trainer.train: one process's losses and evaluation
+    loss within 1e-5 over 10 steps, the same global batch."""
+    from raytrain import Trainer
+
+    one = one_process[1]
+    for layout, distributed in (("sp2xdp2", ZERO[2]), ("sp4", {"strategy": "fsdp"})):
+        scaling = {"num_workers": 4, "storage_path": str(tmp_path / "ray"), "resources_per_worker": {"CPU": 1}}
+        args = lm_args(str(tmp_path / layout), layout, distributed, save_strategy="no", eval_strategy="steps",
+                       eval_steps=STEPS, scaling=scaling)
+        trainer = Trainer(tiny_llama(), args, train_dataset=token_rows(), eval_dataset=token_rows(8))
+        trainer.train()
+        assert _losses(trainer) == pytest.approx(_losses(one["single"]), abs=1e-5), layout
+        evals = [h["eval_loss"] for h in trainer.state.log_history if "eval_loss" in h]
+        assert len(evals) == 1 and evals[0] == pytest.approx(one["eval"], abs=1e-5), layout
+
+
 def _cp_rank(rank: int, root: str, port: int) -> None:
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2")
     import torch.distributed as dist
