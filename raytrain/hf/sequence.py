@@ -115,7 +115,7 @@ def _attend(core: str, module, query, key, value, attention_mask, *args, **kwarg
     """The model's own attention over whole sequences, with the mask transformers would build for them."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-    if attention_mask is None and core in ("sdpa", "eager"):
+    if attention_mask is None and core in ("sdpa", "eager") and query.shape[2] == key.shape[2]:  # not cached decoding
         attention_mask = _mask(core, query, kwargs.get("position_ids"), module)
     if core == "eager":
         fn = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)

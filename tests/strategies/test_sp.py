@@ -322,6 +322,21 @@ def test_models_and_batches_ulysses_cannot_split_are_refused_in_one_line(tmp_pat
         ContextParallel(None, 2).shard({**batch, "position_ids": torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3]])})
 
 
+def test_the_whole_sequences_mask_keeps_packed_documents_apart():
+    """After Ulysses' gather: causal within each document where the position ids restart, as transformers masks
+    packed rows in one process; plain causal rows leave SDPA its is_causal (no mask)."""
+    from raytrain.hf.sequence import _mask
+
+    query = torch.zeros(1, 2, 5, 4)
+    packed = _mask("sdpa", query, torch.tensor([[0, 1, 2, 0, 1]]), None)
+    causal = torch.ones(5, 5, dtype=torch.bool).tril()
+    causal[3:, :3] = False  # the second document sees none of the first
+    assert torch.equal(packed[0, 0], causal)
+    assert _mask("sdpa", query, torch.arange(5)[None], None) is None
+    eager = _mask("eager", query, torch.arange(5)[None], None)[0, 0]
+    assert torch.equal(eager == 0, torch.ones(5, 5, dtype=torch.bool).tril())
+
+
 def test_trl_trainers_other_than_sft_refuse_sp(tmp_path):
     from raytrain.config.args import ConfigError
     from raytrain.trl import DPOConfig
