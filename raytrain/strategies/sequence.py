@@ -49,15 +49,6 @@ class SequenceParallel:
         """Around a training step: nothing (Ulysses is in the model's attention)."""
         return contextlib.nullcontext()
 
-    def check_heads(self, heads: int, kv_heads: int) -> None:
-        """Ulysses gives each rank sp_size-th of the heads: one line when they do not split (DeepSpeed's rule)."""
-        if heads % self.size:
-            raise ValueError(f"parallelism_config.sp_size: {self.size} must divide the model's num_attention_heads "
-                             f"({heads})")
-        if kv_heads % self.size and self.size % kv_heads:
-            raise ValueError(f"parallelism_config.sp_size: {self.size} must divide the model's num_key_value_heads "
-                             f"({kv_heads}) or be a multiple of it")
-
     def attention(self, core: Callable, batch_size: int, heads: int, kv_heads: int, head_dim: int,
                   layers: int) -> torch.nn.Module:
         """DeepSpeed's UlyssesSPAttentionHF around `core` (the model's attention) for this micro-batch size; in eval
