@@ -59,7 +59,7 @@ def check_model(model: Any, sp: int, cp: int = 1) -> None:
     if kinds - {"full_attention"} or (not kinds and getattr(text, "sliding_window", None)):
         raise ValueError(f"parallelism_config.{field}: {type(_base(model)).__name__} has layers other than full "
                          f"attention ({', '.join(sorted(kinds - {'full_attention'})) or 'sliding_window'}), which "
-                         "Ulysses' whole-sequence causal mask does not express; use sp_size 1")
+                         f"the split sequence's causal mask does not express; use {field} 1")
 
 
 def _core_name(config: Any) -> str:
@@ -82,13 +82,6 @@ def attach(model: Any, sequence: Any) -> None:
     fn = _causal_sdpa if ring else partial(_ulysses, sequence=sequence, core=partial(_attend, core), layers=layers)
     AttentionInterface.register(key, fn)
     config._attn_implementation = key
-
-
-def detach(model: Any) -> None:
-    """The model's own attention key back."""
-    config = _base(model).config
-    if (config._attn_implementation or "").startswith(_PREFIX):
-        config._attn_implementation = _core_name(config)
 
 
 def _ulysses(module, query, key, value, attention_mask, *args, sequence, core, layers, **kwargs):
@@ -148,7 +141,8 @@ def _mask(core: str, query: torch.Tensor, position_ids: torch.Tensor | None, mod
 
 
 class SequenceMethods:
-    """The Trainer's hooks for sp_size; the Trainer provides args, model, compute_loss_func and get_strategy."""
+    """The Trainer's hooks for sp_size and cp_size; the Trainer provides args, model, compute_loss_func and
+    get_strategy."""
 
     @contextlib.contextmanager
     def _sequence_step(self, model, inputs: dict):
@@ -164,7 +158,8 @@ class SequenceMethods:
             yield
 
     def _check_layout(self) -> None:
-        """Before any worker starts: the pipeline's split, and what Ulysses needs of the model; one line each."""
+        """Before any worker starts: the pipeline's split, and what a split sequence needs of the model; one line
+        each."""
         self._check_pipeline()
         config = self.args.parallelism_config or {}
         sp, cp = config.get("sp_size", 1), config.get("cp_size", 1)
