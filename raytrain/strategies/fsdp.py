@@ -14,6 +14,8 @@ Options, from `distributed.fsdp`:
 plan is applied on the mesh's tp dim first, then fully_shard on its data-parallel dims (torchtitan's order).
 3-D (pp_size > 1): the model is first cut to this rank's pipeline stages (strategies/pipeline.py), then
 TP, then FSDP2 per stage, each stage's view its own FSDP root (torchtitan's order).
+Split sequences (sp_size; cp_size on CUDA, strategies/sequence.py): FSDP2 shards over the data-parallel and
+sequence ranks together (torchtitan's dp_shard_cp).
 Checkpoints: model.safetensors is the consolidated full state dict (rank 0); the optimizer state is
 saved sharded with torch.distributed.checkpoint into the checkpoint's dcp/ directory.
 """
