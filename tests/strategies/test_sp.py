@@ -169,10 +169,18 @@ def one_process(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory, one_process):
+    """The 4 processes fork from a server that imported the libraries once (a fresh process each would import
+    torch, transformers, DeepSpeed, PEFT and TRL again: most of the launch's CPU time on 2 cores)."""
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
     root = tmp_path_factory.mktemp("sp")
-    mp.spawn(_rank, args=(str(root), _free_port(), str(one_process[0] / "single")), nprocs=4, join=True)
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # the server's environment, before it imports deepspeed
+    multiprocessing.get_context("forkserver").set_forkserver_preload(
+        ["torch", "transformers", "peft", "trl", "deepspeed", "tests.strategies.test_sp"])
+    mp.start_processes(_rank, args=(str(root), _free_port(), str(one_process[0] / "single")), nprocs=4, join=True,
+                       start_method="forkserver")
     return root, [json.loads((root / f"rank{r}.json").read_text()) for r in range(4)]
 
 
