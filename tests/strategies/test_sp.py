@@ -258,6 +258,10 @@ def _args(tmp_path, config, **kw):
                                        "only, not with pp_size 2"),
     ({"sp_size": 2, "sp_backend": "ring"}, {}, "parallelism_config.sp_backend: 'deepspeed' (HF's only backend), got "
                                                "'ring'"),
+    ({"sp_size": 2, "dp_replicate_size": 2}, {}, "parallelism_config.sp_size: 2 composes with data parallelism "
+                                                 "(dp_shard_size) only, not with dp_replicate_size 2"),
+    ({"cp_size": 2, "cp_backend": "ring"}, {}, "parallelism_config.cp_backend: 'torch' (HF's only backend), got "
+                                               "'ring'"),
     ({"sp_size": 2, "cp_size": 2}, {}, "parallelism_config: sp_size and cp_size split the same sequence"),
     ({"sp_size": 2}, {"scaling": {"num_workers": [2, 4]}}, "parallelism_config.sp_size: 2 with an elastic"),
     ({"cp_size": 2}, {}, "parallelism_config.cp_size: context parallelism needs CUDA (torch's ring attention has no "
@@ -288,6 +292,7 @@ def test_models_and_batches_ulysses_cannot_split_are_refused_in_one_line(tmp_pat
     from raytrain import Trainer
     from raytrain.config.args import ConfigError
     from raytrain.strategies.sequence import cut
+    from tests.strategies._helpers import digits_model
 
     small = dict(hidden_size=24, intermediate_size=48, num_hidden_layers=2, vocab_size=128)
     cases = [
@@ -301,6 +306,8 @@ def test_models_and_batches_ulysses_cannot_split_are_refused_in_one_line(tmp_pat
          "compute_loss_func: not supported with parallelism_config.sp_size"),
         (tiny_llama(attn="eager"), {"cp_size": 2}, {}, "parallelism_config.cp_size: attention 'eager' cannot be split "
                                                        "here; load the model with attn_implementation sdpa"),
+        (digits_model(), SP2, {}, "parallelism_config.sp_size: DigitsMLP is not a transformers model; raytrain splits "
+                                  "a transformers model's attention"),
     ]
     for model, config, kw, message in cases:
         gpu = {"scaling": {"num_workers": 4, "use_gpu": True}} if "cp_size" in config else {}
