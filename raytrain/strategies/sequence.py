@@ -95,7 +95,8 @@ class ContextParallel:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
         length = inputs["input_ids"].shape[1]
-        buffers = [v for v in inputs.values() if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == length]
+        tensors = [v for v in inputs.values() if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == length]
+        buffers = list({id(v): v for v in tensors}.values())  # each split once (labels may be shift_labels itself)
         kernels = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]
         with sdpa_kernel(kernels), context_parallel(self.mesh, buffers=buffers, buffer_seq_dims=[1] * len(buffers)):
             yield
