@@ -1,8 +1,8 @@
 """Distributed checkpoints and recovery on Ray: what a save costs the step, what a lost node costs the run.
 
     python benchmarks/distributed.py [--mb 32] [--steps 40] [--rounds 2] [--parts saves,recovery,elastic,layouts]
-                                     [--strategies ddp,fsdp,deepspeed] [--hidden 256] [--layouts dp4,2x2,...]
-                                     [--health-checks default,fast]
+                                     [--strategies ddp,fsdp,deepspeed] [--hidden 256] [--layouts dp4,2x2,...,sp1,sp4]
+                                     [--seq 2048] [--sp-strategy deepspeed] [--health-checks default,fast]
 
   saves:    2 Ray workers (DDP, FSDP2, ZeRO-2), a checkpoint every 10 steps, synchronous and in the
             background (save_async), against none: median and mean step time (rank 0, step end to step
@@ -18,7 +18,10 @@
             tp4, pp2 x dp2, pp2 x tp2 and pp4 (pipeline stages, 1F1B), and 2x2x2 (pp x dp x tp on 8
             processes) at the same global batch: median step time (rank 0; the best of --rounds rounds,
             the layouts' order rotated, on a shared machine) and, per rank (the largest), the bytes of
-            its parameters, gradients and AdamW state (local shards) and its peak RSS.
+            its parameters, gradients and AdamW state (local shards) and its peak RSS. sp1, sp2 and sp4 (4
+            processes, --sp-strategy, ZeRO-2 by default: HF's ALST) train one --seq-token sequence per
+            sequence group and step (sp1: plain data parallel, a sequence per rank; sp4: one sequence split
+            4 ways), measured against sp1: the same, and the peak RSS over the start of training.
   elastic:  the same with num_workers [1, 2] and no node replacing the lost one: the seconds from the
             loss to the first step of the one worker left (target: <= 20 s on Ray's default health
             checks), against a fresh run's.
@@ -93,11 +96,24 @@ LAYOUTS = {"dp4": {"dp_shard_size": 4}, "2x2": {"dp_shard_size": 2, "tp_size": 2
            "pp4": {"pp_size": 4}, "2x2x2": {"pp_size": 2, "dp_shard_size": 2, "tp_size": 2}}
 
 
+SEQ_LAYOUTS = {"sp1": {"dp_shard_size": 4}, "sp2": {"dp_shard_size": 2, "sp_size": 2, "sp_backend": "deepspeed"},
+               "sp4": {"dp_shard_size": 1, "sp_size": 4, "sp_backend": "deepspeed"}}  # a --seq sequence per group
+LAYOUTS.update(SEQ_LAYOUTS)
+
+
 def _world(layout: dict) -> int:
-    return layout.get("pp_size", 1) * layout.get("tp_size", 1) * layout.get("dp_shard_size", 1)
+    return layout.get("pp_size", 1) * layout.get("tp_size", 1) * layout.get("dp_shard_size", 1) * \
+        layout.get("sp_size", 1)
 
 
-def _layouts_rank(rank: int, port: int, hidden: int, steps: int, result: str, name: str) -> None:
+def _rss_mb(field: str) -> float:
+    """VmRSS (now) or VmHWM (the peak since the last reset) of this process, in MiB."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) / 1024
+
+
+def _layouts_rank(rank: int, port: int, hidden: int, steps: int, result: str, name: str, seq: int = 128,
+                  sp_strategy: str = "deepspeed") -> None:
     import resource
 
     import numpy as np
@@ -114,7 +130,12 @@ def _layouts_rank(rank: int, port: int, hidden: int, steps: int, result: str, na
 
     class Marks(TrainerCallback):
         def __init__(self):
-            self.times, self.state_bytes = [], 0
+            self.times, self.state_bytes, self.start_rss = [], 0, 0.0
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            with open("/proc/self/clear_refs", "w") as f:  # the peak (VmHWM) from here on
+                f.write("5")
+            self.start_rss = _rss_mb("VmRSS")
 
         def on_step_end(self, args, state, control, model=None, optimizer=None, **kwargs):
             self.times.append(time.perf_counter())
@@ -125,23 +146,28 @@ def _layouts_rank(rank: int, port: int, hidden: int, steps: int, result: str, na
                 tensors += [local(v) for st in optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
                 self.state_bytes = sum(t.numel() * t.element_size() for t in tensors)
 
-    ids = np.random.default_rng(0).integers(0, 2048, (8 * steps, 128))
+    long = name in SEQ_LAYOUTS
+    ids = np.random.default_rng(0).integers(0, 2048, (8 * steps, seq if long else 128))
     out = {}
     for name, layout in [(name, LAYOUTS[name])]:  # one layout per process group: its own peak RSS
-        dp = world // (layout.get("tp_size", 1) * layout.get("pp_size", 1))
+        dp = world // (layout.get("tp_size", 1) * layout.get("pp_size", 1) * layout.get("sp_size", 1))
+        strategy = ({"strategy": "deepspeed", "deepspeed": {"zero_optimization": {"stage": 2}}}
+                    if sp_strategy == "deepspeed" else {"strategy": sp_strategy}) if long else {"strategy": "fsdp"}
         args = TrainingArguments(output_dir=tempfile.mkdtemp(prefix="rtlayout"), max_steps=steps,
-                                 per_device_train_batch_size=8 // dp, learning_rate=1e-4, logging_steps=10**6,
-                                 save_strategy="no", disable_tqdm=True, report_to="none",
-                                 scaling={"num_workers": world}, parallelism_config=layout,
-                                 distributed={"strategy": "fsdp"})
+                                 per_device_train_batch_size=1 if long else 8 // dp, learning_rate=1e-4,
+                                 logging_steps=10**6, save_strategy="no", disable_tqdm=True, report_to="none",
+                                 scaling={"num_workers": world}, parallelism_config=layout, distributed=strategy)
         torch.manual_seed(0)
         model = LlamaForCausalLM(LlamaConfig(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=4,
-                                             num_attention_heads=8, num_key_value_heads=8, vocab_size=2048))
+                                             num_attention_heads=8, num_key_value_heads=8, vocab_size=2048,
+                                             max_position_embeddings=max(2048, seq), attn_implementation="sdpa"))
         marks = Marks()
         loop.train(Trainer(model, args, train_dataset={"input_ids": ids, "labels": ids}, callbacks=[marks]), None)
         step = statistics.median([b - a for a, b in zip(marks.times[1:], marks.times[2:])])
         out[name] = {"step_s": step, "state_mb": marks.state_bytes / 2**20,
-                     "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+                     "max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                     "train_rise_mb": _rss_mb("VmHWM") - marks.start_rss,
+                     "tokens": (seq if long else 128) * args.per_device_train_batch_size // layout.get("sp_size", 1)}
     all_ranks = [None] * world
     dist.all_gather_object(all_ranks, out)
     dist.destroy_process_group()
@@ -150,18 +176,19 @@ def _layouts_rank(rank: int, port: int, hidden: int, steps: int, result: str, na
             json.dump(all_ranks, f)
 
 
-def bench_layouts(hidden: int, steps: int, names: list[str], rounds: int = 1) -> dict:
+def bench_layouts(hidden: int, steps: int, names: list[str], rounds: int = 1, seq: int = 2048,
+                  sp_strategy: str = "deepspeed") -> dict:
     """Each layout `rounds` times, their order rotated; a layout's best round (the least disturbed)."""
     out: dict = {}
     for i in range(rounds):
         for name in names[i % len(names):] + names[:i % len(names)]:
-            got = _layout_once(name, hidden, steps)
+            got = _layout_once(name, hidden, steps, seq, sp_strategy)
             if name not in out or got["step_s"] < out[name]["step_s"]:
                 out[name] = got
     return {name: out[name] for name in names}
 
 
-def _layout_once(name: str, hidden: int, steps: int) -> dict:
+def _layout_once(name: str, hidden: int, steps: int, seq: int = 2048, sp_strategy: str = "deepspeed") -> dict:
     import socket
 
     import torch.multiprocessing as mp
@@ -170,11 +197,13 @@ def _layout_once(name: str, hidden: int, steps: int) -> dict:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     result = os.path.join(tempfile.mkdtemp(prefix="rtlayouts"), "r.json")
-    mp.spawn(_layouts_rank, args=(port, hidden, steps, result, name), nprocs=_world(LAYOUTS[name]), join=True)
+    mp.spawn(_layouts_rank, args=(port, hidden, steps, result, name, seq, sp_strategy), nprocs=_world(LAYOUTS[name]),
+             join=True)
     with open(result) as f:
         ranks = [r[name] for r in json.load(f)]
     return {"step_s": ranks[0]["step_s"], "state_mb": max(r["state_mb"] for r in ranks),
-            "max_rss_mb": max(r["max_rss_mb"] for r in ranks), "world": len(ranks)}
+            "max_rss_mb": max(r["max_rss_mb"] for r in ranks), "train_rise_mb": max(r["train_rise_mb"] for r in ranks),
+            "tokens": ranks[0]["tokens"], "world": len(ranks)}
 
 
 # ---------------------------------------------------------------- recovery
@@ -232,7 +261,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--parts", default="saves,recovery", help="of saves, recovery, elastic, layouts")
     p.add_argument("--hidden", type=int, default=256, help="for layouts: the Llama's hidden size")
-    p.add_argument("--layouts", default=",".join(LAYOUTS), help="for layouts: which (dp4 first, the reference)")
+    p.add_argument("--layouts", default=",".join(n for n in LAYOUTS if n not in SEQ_LAYOUTS),
+                   help=f"for layouts: which (dp4 first, the reference; {', '.join(SEQ_LAYOUTS)} against sp1)")
+    p.add_argument("--seq", type=int, default=2048, help="for the sp layouts: the sequence length")
+    p.add_argument("--sp-strategy", default="deepspeed", help="for the sp layouts: deepspeed (ZeRO-2), fsdp or ddp")
     p.add_argument("--strategies", default="ddp,fsdp,deepspeed", help="for saves (deepspeed: ZeRO-2)")
     p.add_argument("--health-checks", default="default,fast",
                    help="for recovery and elastic, each measured in turn: default (Ray's), fast (~2 s)")
@@ -261,8 +293,23 @@ def main() -> None:
                       f"({m[mode]['median'] / m['none']['median']:.2f}x), mean {m[mode]['mean'] * 1e3:.1f} vs "
                       f"{m['none']['mean'] * 1e3:.1f} ms ({m[mode]['mean'] / m['none']['mean']:.2f}x)")
     if "layouts" in parts:
-        names = ["dp4"] + [n for n in a.layouts.split(",") if n != "dp4"]
-        r = bench_layouts(a.hidden, a.steps, names, a.rounds)
+        asked = a.layouts.split(",")
+        seq_names = [n for n in SEQ_LAYOUTS if n in asked]
+        names = ["dp4"] + [n for n in asked if n != "dp4" and n not in SEQ_LAYOUTS] if len(seq_names) < len(asked) else []
+        if seq_names:
+            seq_names = ["sp1"] + [n for n in seq_names if n != "sp1"]
+            r = bench_layouts(a.hidden, a.steps, seq_names, a.rounds, a.seq, a.sp_strategy)
+            base = r["sp1"]
+            for name, m in r.items():
+                speed = m["tokens"] * m["world"] / m["step_s"]
+                print(f"layouts {name} ({a.sp_strategy}, {m['world']} processes, {a.seq}-token sequences, "
+                      f"{m['tokens']} tokens per rank): median step {m['step_s'] * 1e3:.0f} ms "
+                      f"({m['step_s'] / base['step_s']:.2f}x sp1), {speed:.0f} tokens/s "
+                      f"({speed / (base['tokens'] * base['world'] / base['step_s']):.2f}x sp1), "
+                      f"peak RSS per rank {m['max_rss_mb']:.0f} MiB "
+                      f"({m['max_rss_mb'] / base['max_rss_mb']:.2f}x sp1), its rise in training "
+                      f"{m['train_rise_mb']:.0f} MiB ({m['train_rise_mb'] / base['train_rise_mb']:.2f}x sp1)")
+        r = bench_layouts(a.hidden, a.steps, names, a.rounds) if names else {}
         for name, m in r.items():
             print(f"layouts {name} ({m['world']} processes): median step {m['step_s'] * 1e3:.0f} ms "
                   f"({m['step_s'] / r['dp4']['step_s']:.2f}x dp4), "

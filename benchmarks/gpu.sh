@@ -8,6 +8,8 @@
 #   OUT=/some/dir bash benchmarks/gpu.sh      # on the GPU machine (benchmarks/wheels carried with the tree)
 #
 # Budget: under 8 minutes on an H100; each stage has its own time limit so that later ones still run.
+# Context parallelism (cp_size 2: torch's ring attention under FSDP2) is tests/strategies/test_sp.py's gpu test: it
+# needs 2 GPUs and skips on one.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -64,6 +66,7 @@ main() {
 
     # The GPU tests: every test file that marks one (other files import Ray or Optuna, absent there).
     FILES=$(grep -rlE "pytest\.mark\.gpu|mark\.gpu\b" tests --include="test_*.py" | sort)
+    echo "== CUDA devices: $("$PY" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0) (cp_size 2 needs 2)"
     echo "== pytest -m gpu: $(echo $FILES)"
     timeout 240 "$PY" -m pytest -m gpu -n 0 -p no:cacheprovider --timeout 150 -v -rfEs --durations=0 \
         --junitxml "$OUT/junit.xml" $FILES 2>&1 | tee "$OUT/pytest.log" | tail -60

@@ -19,6 +19,7 @@ from .hf.metrics import MemoryTracker
 from .hf.optim import create_optimizer, create_scheduler
 from .hf.pipeline import PipelineMethods
 from .hf.seq2seq import Seq2SeqMethods
+from .hf.sequence import SequenceMethods
 from .hf.skeleton import ExampleScriptMethods
 from .hf.trackers import integration_callbacks
 from .hf.trainer_api import HFOverridePoints
@@ -33,7 +34,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["Seq2SeqTrainer", "Trainer", "set_seed", "trainer_class"]
 
 
-class Trainer(HFOverridePoints, ExampleScriptMethods, PipelineMethods):
+class Trainer(HFOverridePoints, ExampleScriptMethods, PipelineMethods, SequenceMethods):
     """Train, evaluate and predict with a PyTorch model, as HF's Trainer does (same arguments, same
     overridable methods, same events).
 
@@ -116,8 +117,8 @@ class Trainer(HFOverridePoints, ExampleScriptMethods, PipelineMethods):
             raise ValueError("Trainer: training requires a train_dataset.")
         self.ignore_keys_for_eval = ignore_keys_for_eval
         if self.args.should_use_distributed:
-            try:  # a model that cannot be split into the layout's stages: before any worker starts (CLI: exit 2)
-                self._check_pipeline()
+            try:  # a model that cannot be split into the layout: before any worker starts (CLI: exit 2)
+                self._check_layout()
             except ValueError as e:
                 raise ConfigError(str(e)) from None
             from .driver.launch import run_distributed
@@ -258,7 +259,7 @@ class Trainer(HFOverridePoints, ExampleScriptMethods, PipelineMethods):
         from .data.loaders import RankLoader, build_loader, prepare_dataset
         args, strategy = self.args, self.get_strategy()
         cache = self.__dict__.setdefault("_data_sources", {})
-        key = (id(dataset), batch_size, training, strategy.dp_rank, strategy.dp_size)
+        key = (id(dataset), batch_size, training, *(shard := strategy.data_shard(training)).values())  # which rows
         hit = cache.get(key)
         if hit is not None and hit[0] is dataset and not training:
             if args.dataloader_persistent_workers and args.dataloader_num_workers:
@@ -270,7 +271,7 @@ class Trainer(HFOverridePoints, ExampleScriptMethods, PipelineMethods):
         source = build_loader(prepared, batch_size, args, sampler=sampler,
                               seed=args.data_seed if args.data_seed is not None else args.seed,
                               drop_last=args.dataloader_drop_last, shuffle=shuffle,  # evaluation's too, as HF
-                              rank=strategy.dp_rank, world_size=strategy.dp_size, collate_fn=self.data_collator,
+                              **shard, collate_fn=self.data_collator,
                               columns=None if own else model_inputs(self.model, training=training), name=name,
                               input_name=input_name)
         loader = RankLoader(source, prepared, args.dataloader_num_workers, args.dataloader_persistent_workers)
@@ -335,7 +336,7 @@ class Trainer(HFOverridePoints, ExampleScriptMethods, PipelineMethods):
             if self.compute_loss_func is not None:
                 loss = self.compute_loss_func(outputs, labels, num_items_in_batch)
             else:
-                total, items = self.label_smoother(outputs, labels, shift_labels=hf.is_causal_lm(unwrap_model(model)))
+                total, items = self.label_smoother(outputs, labels, shift_labels=self._label_shift(model, inputs))
                 loss = total / (num_items_in_batch if num_items_in_batch is not None else items)
         elif num_items_in_batch is not None and self._loss_items_rule()[1]:
             outputs = model(**inputs, num_items_in_batch=num_items_in_batch)
@@ -359,13 +360,14 @@ class Trainer(HFOverridePoints, ExampleScriptMethods, PipelineMethods):
         optimizer = self.optimizer
         if hasattr(optimizer, "train"):  # schedule-free: the weights it trains, not those it evaluates (as HF)
             optimizer.train()
-        with strategy.autocast():
-            loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
-        scale = strategy.dp_size if strategy.averages_gradients else 1
-        if hasattr(optimizer, "fused_backward"):  # LOMO updates the weights in its backward, at the current rate
-            optimizer.fused_backward(loss * scale if scale != 1 else loss, get_lr(optimizer))
-        else:
-            strategy.backward(loss * scale if scale != 1 else loss)
+        scale = strategy.gradient_scale
+        with self._sequence_step(model, inputs):  # sp_size / cp_size: the sequence split (hf/sequence.py)
+            with strategy.autocast():
+                loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+            if hasattr(optimizer, "fused_backward"):  # LOMO updates the weights in its backward, at the current rate
+                optimizer.fused_backward(loss * scale if scale != 1 else loss, get_lr(optimizer))
+            else:
+                strategy.backward(loss * scale if scale != 1 else loss)
         return loss.detach()
 
     def prediction_step(self, model, inputs: dict, prediction_loss_only: bool, ignore_keys: list[str] | None = None):
@@ -397,14 +399,6 @@ class Trainer(HFOverridePoints, ExampleScriptMethods, PipelineMethods):
         """Whether compute_loss gets num_items_in_batch even for a single micro-batch on one rank: as HF,
         with compute_loss_func or a model that takes loss keywords."""
         return self._loss_items_rule()[0]
-
-    def _loss_items_rule(self) -> tuple[bool, bool, bool]:
-        """(count num_items_in_batch always, pass it to the model's forward, count labels[..., 1:]), looked
-        up once."""
-        if "_wants_items" not in self.__dict__:
-            self._wants_items = (self.compute_loss_func is not None or hf.accepts_loss_kwargs(self.model),
-                                 hf.accepts_num_items(self.model), hf.loss_shifts_labels(self.model))
-        return self._wants_items
 
     def floating_point_ops(self, inputs: dict) -> float:
         """HF's count: 6 x the main input's elements x the parameters less embeddings, for models that

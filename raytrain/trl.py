@@ -44,6 +44,9 @@ def _post_init(kind: str, own: tuple[str, ...]):
                 raise ConfigError(f"parallelism_config.pp_size: pipeline parallelism is not supported by "
                                   f"raytrain.trl's {kind.upper()}Trainer (TRL's loss needs the whole model's outputs on one rank); "
                                   "set pp_size 1 (FSDP2 or ZeRO-3 shard the model instead)")
+            if kind != "sft" and (self.parallelism_config or {}).get("sp_size", 1) > 1:  # as TRL's own configs
+                raise ConfigError(f"parallelism_config.sp_size: sequence parallelism is not supported by raytrain.trl's "
+                                  f"{kind.upper()}Trainer (its inputs are built inside the trainer); set sp_size 1")
         except ConfigError:
             raise
         except ValueError as e:  # TRL's checks are configuration errors too (the CLI's exit 2)

@@ -207,7 +207,9 @@ class TrainingArguments(HFArgumentMethods):
         None, "the device mesh, as HF/accelerate: {dp_replicate_size, dp_shard_size (-1: the rest), tp_size}, "
         "their product the world size (scaling.num_workers); tp_size > 1: tensor parallelism with FSDP2; "
         "raytrain's pp_size > 1: pipeline stages, with pp_schedule (torch's names: 1F1B (default), GPipe, "
-        "Interleaved1F1B, ...) and pp_microbatches (default: the per-rank batch, one sample each)")
+        "Interleaved1F1B, ...) and pp_microbatches (default: the per-rank batch, one sample each); sp_size > 1 "
+        "(sp_backend deepspeed): each sequence split over sp_size ranks, attention by DeepSpeed's Ulysses; "
+        "cp_size > 1 (CUDA, FSDP2): torch's context_parallel ring attention")
     tp_plan: dict[str, str] | str | None = _f(
         "auto", "tensor-parallel plan: auto (the model's base_model_tp_plan / _tp_plan) or module name patterns "
         "to colwise, rowwise, colwise_gather_output, embedding_rowwise, sequence_parallel, replicate")

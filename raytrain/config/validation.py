@@ -250,17 +250,24 @@ class ArgumentRules(StrictModel):
             return
         self.__dict__["parallelism_config"] = sizes
         scaling, dist = self.scaling, self.distributed
+        if sizes["cp_size"] > 1 and not scaling.use_gpu:  # first: on CPU, whatever the other sizes
+            raise ConfigError(f"parallelism_config.cp_size: context parallelism needs CUDA (torch's ring attention has "
+                              f"no CPU kernel); on CPU and gloo split the sequence with sp_size (DeepSpeed Ulysses), got "
+                              f"cp_size {sizes['cp_size']}")
         try:
             dims = ParallelDims.resolve(sizes, scaling.num_workers)
         except ValueError as e:
             raise ConfigError(str(e)) from None
-        for name, size in (("pp_size", dims.pp), ("tp_size", dims.tp)):
+        for name, size in (("pp_size", dims.pp), ("tp_size", dims.tp), ("sp_size", dims.sp), ("cp_size", dims.cp)):
             if size > 1 and scaling.elastic:
                 raise ConfigError(f"parallelism_config.{name}: {size} with an elastic scaling.num_workers range "
                                   f"is not supported; fix num_workers or set {name} 1")
         if dims.pp > 1 and dist.strategy in ("ddp", "deepspeed"):
             raise ConfigError(f"parallelism_config.pp_size: pipeline stages need distributed.strategy fsdp (or "
                               f"auto), not {dist.strategy}")
+        if dims.cp > 1 and dist.strategy in ("ddp", "deepspeed"):
+            raise ConfigError(f"parallelism_config.cp_size: context parallelism needs distributed.strategy fsdp (or "
+                              f"auto: FSDP2, as torchtitan), not {dist.strategy}")
         try:
             dims.check_batch(self.per_device_train_batch_size)
         except ValueError as e:
@@ -271,8 +278,10 @@ class ArgumentRules(StrictModel):
         if dist.strategy == "ddp" and (dims.tp > 1 or dims.dp_replicate > 1):
             raise ConfigError("parallelism_config: tp_size / dp_replicate_size > 1 need distributed.strategy fsdp "
                               "(or auto), not ddp")
-        if dist.strategy == "auto" and (dims.tp > 1 or dims.dp_replicate > 1 or dims.pp > 1):
+        if dist.strategy == "auto" and (dims.tp > 1 or dims.dp_replicate > 1 or dims.pp > 1 or dims.cp > 1):
             self.__dict__["distributed"] = type(dist).model_validate({**dist.model_dump(), "strategy": "fsdp"})
+        elif dist.strategy == "auto" and dims.sp > 1:  # HF's: ALST runs on DeepSpeed (ddp and fsdp split it too)
+            self.__dict__["distributed"] = type(dist).model_validate({**dist.model_dump(), "strategy": "deepspeed"})
 
     def _resolve_aliases(self) -> None:
         """As HF 5.23: a deprecated name is used only when its new name is unset; then both agree."""

@@ -23,7 +23,9 @@ class Accelerator:
     """What a script asks of `trainer.accelerator`: this process's place among the training processes
     (1 process in-process; the process group's on Ray workers) and a few collectives."""
 
-    parallelism_config = None  # no context / sequence / tensor parallelism here (TRL's trainers read it)
+    # None: TRL's trainers read it and would take accelerate's paths (ALST's loss, CP's buffers); raytrain's
+    # strategies split sequences (sp_size) themselves, below the same loss code
+    parallelism_config = None
 
     def __init__(self, trainer: Any = None):
         self._trainer = trainer

@@ -45,7 +45,7 @@ class PipelineMethods:
             model.train()
         if num_items_in_batch is None:
             num_items_in_batch = strategy.all_reduce(self.count_loss_items(inputs))
-        scale = strategy.dp_size if strategy.averages_gradients else 1  # the reduce-scatter averages
+        scale = strategy.gradient_scale  # the reduce-scatter averages
         loss = self._pipeline_loss(num_items_in_batch, scale)
         with strategy.autocast():
             losses, _ = strategy.pipeline.run(inputs, self._main_input(), inputs["labels"], loss, train=True)

@@ -11,6 +11,7 @@ import sys
 
 import torch
 
+from . import objects as hf
 from ..checkpoint import store as ckpt
 from ..optim.schedules import scheduler_needs_metric
 from ..callbacks.state import TrainerControl, TrainerState, TrainOutput
@@ -41,6 +42,14 @@ class HFOverridePoints:
         if "labels" not in inputs or not self.loss_needs_num_items():
             return None
         return self.count_loss_items(inputs)
+
+    def _loss_items_rule(self) -> tuple[bool, bool, bool]:
+        """(count num_items_in_batch always, pass it to the model's forward, count labels[..., 1:]), looked
+        up once."""
+        if "_wants_items" not in self.__dict__:
+            self._wants_items = (self.compute_loss_func is not None or hf.accepts_loss_kwargs(self.model),
+                                 hf.accepts_num_items(self.model), hf.loss_shifts_labels(self.model))
+        return self._wants_items
 
     def count_loss_items(self, inputs: dict):
         """The loss items of a batch as HF counts them, a tensor: labels other than -100, over labels[..., 1:]

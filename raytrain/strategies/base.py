@@ -56,10 +56,31 @@ class Strategy:
         self.layout: dict[str, int] | None = None
         #: This rank's pipeline stages (strategies/pipeline.py) when pp_size > 1: the Trainer's steps run them.
         self.pipeline = None
+        #: sp_size > 1: this rank's sequence group (strategies/sequence.py): batches sliced, attention by Ulysses.
+        self.sequence = None
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def gradient_scale(self) -> int:
+        """The ranks the backend averages gradients over (every rank of a sequence group holds other tokens);
+        the loss is multiplied by it so that the average is the step's sum. 1 where the backend sums."""
+        if not self.averages_gradients:
+            return 1
+        return self.dp_size * (self.sequence.size if self.sequence is not None else 1)
+
+    def data_shard(self, training: bool) -> dict[str, int]:
+        """Which rows this rank reads: by data-parallel rank; a sequence group's evaluation by rank, whole
+        sequences (HF's: Ulysses is off in evaluation, disable_in_eval)."""
+        if self.sequence is not None and not training:
+            return {"rank": self.rank, "world_size": self.world_size}
+        return {"rank": self.dp_rank, "world_size": self.dp_size}
+
+    def split_sequences(self, source):
+        """The training source as this rank reads it: under sp_size, each batch's slice of its sequences."""
+        return source if self.sequence is None else self.sequence.shards(source)
 
     # -- set-up
     def setup(self, model: torch.nn.Module, optimizer_factory: Callable[[torch.nn.Module], torch.optim.Optimizer],
@@ -245,6 +266,13 @@ class TorchDistributedMixin:
         if use_cuda:
             torch.cuda.set_device(self.local_rank)
         self.device = torch.device("cuda", self.local_rank) if use_cuda else torch.device("cpu")
+        if (getattr(args, "parallelism_config", None) or {}).get("sp_size", 1) > 1:
+            from .mesh import ParallelDims
+            from .sequence import SequenceParallel
+
+            dims = ParallelDims.resolve(args.parallelism_config, self.world_size)
+            self.sequence = SequenceParallel(dims, self.rank, self.device)
+            self.dp_rank, self.dp_size, self.layout = dims.dp_rank(self.rank), dims.dp, dims.as_dict()
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
         """A reduced copy of `tensor` (sum, mean, max or min over ranks)."""

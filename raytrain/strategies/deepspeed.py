@@ -28,6 +28,7 @@ import torch
 from ..checkpoint.io import HostStaging, lower_thread_priority
 from ..optim.optimizers import get_parameter_groups
 from .base import DEEPSPEED_DIR, Strategy, TorchDistributedMixin, enable_gradient_checkpointing
+from .sequence import init_comm
 
 AUTO = "auto"
 
@@ -54,8 +55,7 @@ class DeepSpeedStrategy(TorchDistributedMixin, Strategy):
     def setup(self, model, optimizer_factory, optimizer=None):
         import deepspeed
 
-        with _no_shm_kernel() if self.device.type == "cpu" else contextlib.nullcontext():
-            deepspeed.init_distributed(dist_backend="gloo" if self.device.type == "cpu" else "nccl")
+        init_comm(self.device)
         if self.args.gradient_checkpointing:
             enable_gradient_checkpointing(model)
         kwargs: dict[str, Any] = {"model": model, "config": copy.deepcopy(self.config)}
@@ -339,19 +339,3 @@ def _fill(section: dict, key: str, value, source: str, prefix: str = "") -> None
                                    and float(current) == value):
         raise ValueError(f"distributed.deepspeed.{prefix}{key}={current!r} contradicts {source} ({value!r}); "
                          f'set it to "auto" or to the same value')
-
-
-@contextlib.contextmanager
-def _no_shm_kernel():
-    """On CPU, DeepSpeed's communication backend JIT-compiles a shared-memory all-reduce kernel the first
-    time a node starts it (about a minute of C++ on 2 cores, both ranks waiting). Only its
-    inference_all_reduce uses that kernel; training's collectives go through gloo, so it is skipped."""
-    import importlib
-
-    ds_comm = importlib.import_module("deepspeed.comm.torch")  # the package's `torch` attribute is torch itself
-    build = ds_comm.build_shm_op
-    ds_comm.build_shm_op = lambda: None
-    try:
-        yield
-    finally:
-        ds_comm.build_shm_op = build

@@ -14,6 +14,8 @@ Options, from `distributed.fsdp`:
 plan is applied on the mesh's tp dim first, then fully_shard on its data-parallel dims (torchtitan's order).
 3-D (pp_size > 1): the model is first cut to this rank's pipeline stages (strategies/pipeline.py), then
 TP, then FSDP2 per stage, each stage's view its own FSDP root (torchtitan's order).
+Split sequences (sp_size; cp_size on CUDA, strategies/sequence.py): FSDP2 shards over the data-parallel and
+sequence ranks together (torchtitan's dp_shard_cp).
 Checkpoints: model.safetensors is the consolidated full state dict (rank 0); the optimizer state is
 saved sharded with torch.distributed.checkpoint into the checkpoint's dcp/ directory.
 """
@@ -64,11 +66,21 @@ class FSDPStrategy(TorchDistributedMixin, Strategy):
         self.dims = ParallelDims.resolve(args.parallelism_config, self.world_size)
         self.dims.check_local(int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or None)
         self.dp_rank, self.dp_size = self.dims.dp_rank(self.rank), self.dims.dp
-        self._dp_group = self.dims.dp_group(self.rank) if self.dims.tp > 1 or self.dims.pp > 1 else None
+        self._dp_group = self.dims.dp_group(self.rank) if self.dims.tp > 1 or self.dims.pp > 1 or self.dims.cp > 1 \
+            else None
         self._loss_group = self.dims.loss_group(self.rank) if self.dims.pp > 1 else None
         self._pp_group = None
         self._frozen_kwargs: dict | None = None  # fully_shard's options for a reference / reward model
         self.layout = self.dims.as_dict()
+        self._mesh = None
+        if self.dims.cp > 1:  # torch's ring attention over the mesh's cp dim (strategies/sequence.py)
+            from .sequence import ContextParallel
+
+            if self.device.type != "cuda":
+                raise ValueError("parallelism_config.cp_size: context parallelism needs CUDA (scaling.use_gpu and a "
+                                 "GPU per worker); on CPU and gloo split the sequence with sp_size")
+            self._mesh = self.dims.build_mesh(self.device.type)
+            self.sequence = ContextParallel(self._mesh["cp"], self.dims.cp)
 
     # -- set-up
     def setup(self, model, optimizer_factory, optimizer=None):
@@ -106,7 +118,7 @@ class FSDPStrategy(TorchDistributedMixin, Strategy):
             if self.pipeline.tied_trainable:
                 self.pipeline.tied_group = self.dims.tied_group(self.rank)
             self.pipeline.sync_group = torch.distributed.group.WORLD if self.dims.dp > 1 else None
-        if self.dims.dp > 1:  # tp alone: no data-parallel dim to shard over
+        if self.dims.shards > 1:  # tp alone: no data-parallel dim to shard over
             for block in blocks:
                 fully_shard(block, **kwargs)
             for root in roots:
@@ -114,7 +126,7 @@ class FSDPStrategy(TorchDistributedMixin, Strategy):
             if self.pipeline is None and callable(getattr(model, "generate", None)):
                 # generate() enters at the root, as forward does (a PEFT model's reaches its blocks without it)
                 register_fsdp_forward_method(model, "generate")
-        if self.dims.dp > 1 and self.dims.tp == 1 and self.pipeline is None:
+        if self.dims.shards > 1 and self.dims.tp == 1 and self.pipeline is None:
             self._frozen_kwargs = {**kwargs, "reshard_after_forward": True}
         self.optimizer = optimizer_factory(model)
         if self.dims.tp > 1:
@@ -145,9 +157,11 @@ class FSDPStrategy(TorchDistributedMixin, Strategy):
         from torch.distributed.device_mesh import init_device_mesh
 
         dims = self.dims
-        if dims.tp == 1 and dims.dp_replicate == 1 and dims.pp == 1:
+        if dims.tp == 1 and dims.dp_replicate == 1 and dims.pp == 1 and dims.cp == 1:
             return init_device_mesh(self.device.type, (self.world_size,))
-        mesh = dims.build_mesh(self.device.type)
+        mesh = self._mesh or dims.build_mesh(self.device.type)
+        if dims.cp > 1:  # FSDP2 shards over the data-parallel and context ranks together (torchtitan's dp_shard_cp)
+            return mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         self._pp_group = mesh["pp"].get_group() if dims.pp > 1 else None
         if dims.tp > 1:
             tensor_parallel.apply_tp(model, mesh["tp"], self.args.tp_plan)
@@ -204,7 +218,7 @@ class FSDPStrategy(TorchDistributedMixin, Strategy):
         from torch.distributed.fsdp import FSDPModule
 
         root = self.unwrap(self.model)
-        if self.dims.dp == 1 or not isinstance(root, FSDPModule):
+        if self.dims.shards == 1 or not isinstance(root, FSDPModule):
             yield
             return
         root.set_reshard_after_forward(False)
@@ -221,7 +235,7 @@ class FSDPStrategy(TorchDistributedMixin, Strategy):
 
     # -- the step
     def no_sync(self):
-        if self.dims.dp == 1 or self.pipeline is not None:  # a pipeline step reduces its own gradients
+        if self.dims.shards == 1 or self.pipeline is not None:  # a pipeline step reduces its own gradients
             return contextlib.nullcontext()
         return _requires_gradient_sync(self.unwrap(self.model), False)
 
@@ -256,6 +270,8 @@ class FSDPStrategy(TorchDistributedMixin, Strategy):
         """Under PP the last stage's ranks hold the loss (the others zero): summed over every stage."""
         import torch.distributed as dist
 
+        if self.dims.cp > 1:  # each rank of a context group holds its tokens' share
+            return TorchDistributedMixin.all_reduce(self, tensor)
         if self.pipeline is None:
             return self.all_reduce(tensor)
         out = torch.as_tensor(tensor).to(self.device, copy=True)

@@ -169,6 +169,7 @@ def _train_source(trainer: TrainerProtocol, strategy):
     data = trainer.get_train_dataloader()
     if not hasattr(data, "iter_batches"):  # an overridden get_train_dataloader returned a plain iterable
         data = LoaderSource(data, rank=strategy.dp_rank, world_size=strategy.dp_size)
+    data = strategy.split_sequences(data)  # sp_size: each batch's slice of its sequences, this rank's
     check_iterable_training(data, trainer.args.max_steps)
     if trainer.eval_dataset is not None:  # a mismatched eval set fails now, not at the first evaluation
         evals = trainer.eval_dataset if is_named_datasets(trainer.eval_dataset) else {None: trainer.eval_dataset}

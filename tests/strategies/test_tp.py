@@ -206,7 +206,7 @@ def test_every_layout_saves_what_from_pretrained_loads(layouts, one_process):
     ({"tp_size": 3}, {}, "parallelism_config: dp_replicate_size 1 x tp_size 3 must divide the world size"),
     ({"tp_size": 2, "cp_size": 2}, {}, "parallelism_config.cp_size: context parallelism needs CUDA"),
     ({"tp_size": 2, "ep_size": 2}, {}, "parallelism_config: unknown field(s) ['ep_size']"),
-    ({"sp_size": 2}, {}, "parallelism_config.sp_size: sequence parallelism"),
+    ({"sp_size": 2, "tp_size": 2}, {}, "parallelism_config.sp_size: 2 composes with data parallelism"),
     ({"tp_size": 0}, {}, "parallelism_config.tp_size: an integer >= 1, got 0"),
     ({"tp_size": 2}, {"distributed": {"strategy": "deepspeed"}}, "need distributed.strategy fsdp (FSDP2), not deepspeed"),
     ({"tp_size": 2}, {"distributed": {"strategy": "ddp"}}, "need distributed.strategy fsdp (or auto), not ddp"),
