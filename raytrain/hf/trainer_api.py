@@ -35,27 +35,6 @@ class HFOverridePoints:
             self.lr_scheduler.step(metrics[name if name.startswith("eval_") else f"eval_{name}"])
         return metrics
 
-    def _eval_num_items(self, model, inputs: dict):
-        """HF's num_items_in_batch for one evaluation batch (a tensor), counted only when the loss takes it
-        (as in training)."""
-        if "labels" not in inputs or not self.loss_needs_num_items():
-            return None
-        return self.count_loss_items(inputs)
-
-    def count_loss_items(self, inputs: dict):
-        """The loss items of a batch as HF counts them, a tensor: labels other than -100, over labels[..., 1:]
-        where the model's loss shifts them (HF's rule); one per row for float labels (regression)."""
-        labels = inputs.get("shift_labels")
-        if labels is None:
-            labels = inputs.get("labels")
-            if not isinstance(labels, torch.Tensor):
-                return None
-            if labels.is_floating_point():
-                return torch.tensor(labels.shape[0], device=labels.device)
-            if labels.dim() > 1 and self._loss_items_rule()[2]:
-                labels = labels[..., 1:]
-        return labels.ne(-100).sum()
-
     # ------------------------------------------------------------ callbacks and learning rate
     def _load_callback_state(self) -> None:
         """Callbacks and TrainerControl from state.stateful_callbacks (HF's): with
