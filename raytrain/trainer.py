@@ -17,6 +17,7 @@ from .data.columns import is_named_datasets
 from .hf import adapters, objects as hf
 from .hf.metrics import MemoryTracker
 from .hf.optim import create_optimizer, create_scheduler
+from .hf.instrument import check_liger
 from .hf.loss import LossMethods
 from .hf.pipeline import PipelineMethods
 from .hf.seq2seq import Seq2SeqMethods
@@ -117,11 +118,13 @@ class Trainer(LossMethods, HFOverridePoints, ExampleScriptMethods, PipelineMetho
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
         self.ignore_keys_for_eval = ignore_keys_for_eval
-        if self.args.should_use_distributed:
-            try:  # a model that cannot be split into the layout's stages: before any worker starts (CLI: exit 2)
+        try:  # Liger's kernels without a GPU, a model that cannot be split into the layout's stages: before any
+            check_liger(self.args)  # worker starts, in one line (CLI: exit 2)
+            if self.args.should_use_distributed:
                 self._check_pipeline()
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if self.args.should_use_distributed:
             from .driver.launch import run_distributed
             return run_distributed(self, resume_from_checkpoint)
         if self.model_init is not None:  # as HF: every train() starts from a fresh, seeded model
@@ -326,7 +329,9 @@ class Trainer(LossMethods, HFOverridePoints, ExampleScriptMethods, PipelineMetho
         device = self.get_strategy().device
         if device.type == "cpu":
             return inputs
-        return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+        non_blocking = self.accelerator.non_blocking  # accelerator_config's (accelerate's default: a blocking copy)
+        return {k: v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v
+                for k, v in inputs.items()}
 
     def prediction_step(self, model, inputs: dict, prediction_loss_only: bool, ignore_keys: list[str] | None = None):
         """(loss, predictions, labels) for one evaluation batch; loss is the batch's mean; predictions are

@@ -112,7 +112,7 @@ class GradientState:
 
     @property
     def adjust_scheduler(self) -> bool:
-        return self.plugin_kwargs.get("adjust_scheduler", True)
+        return self.plugin_kwargs.get("adjust_scheduler", False)  # accelerate's GradientState reads it so
 
     @property
     def sync_with_dataloader(self) -> bool:

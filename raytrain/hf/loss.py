@@ -13,6 +13,12 @@ from . import objects as hf
 from ..strategies.base import unwrap_model
 
 
+def clear_device_cache() -> None:
+    """HF's (accelerate's clear_device_cache, without its garbage collection)."""
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 class LossMethods:
     """The Trainer provides args, model, accelerator, label_smoother, compute_loss_func and get_strategy."""
 
@@ -107,8 +113,8 @@ class LossMethods:
         with strategy.autocast():
             loss = self.compute_loss(model, inputs, num_items_in_batch=given)
         if self.args.torch_empty_cache_steps is not None and \
-                self.state.global_step % self.args.torch_empty_cache_steps == 0 and torch.cuda.is_available():
-            torch.cuda.empty_cache()  # HF's clear_device_cache
+                self.state.global_step % self.args.torch_empty_cache_steps == 0:
+            clear_device_cache()
         if not self._scaled_for_ga(given):
             loss = self._mean_share(loss, inputs, num_items_in_batch)
         if hasattr(optimizer, "fused_backward"):  # LOMO updates the weights in its backward, at the current rate

@@ -38,6 +38,24 @@ def is_pretrained_model(model: Any) -> bool:
     return _from(model, "transformers") and hasattr(model, "config") and hasattr(model, "save_pretrained")
 
 
+def register_output_capture(*objects: Any) -> None:
+    """A transformers model unpickled in a fresh process (a Ray worker) is missing from transformers 5.23's
+    registry of what each model class records (filled as a model is built): its router logits (a MoE model's
+    router loss), hidden states and attentions would not be captured. Register the classes of the models in
+    `objects` (modules, or lists of them) again."""
+    modules = [m for o in objects for m in (o if isinstance(o, (list, tuple)) else [o])
+               if isinstance(m, torch.nn.Module)]
+    models = [m for o in modules for m in o.modules() if is_pretrained_model(m) and hasattr(m, "_can_record_outputs")]
+    if not models:
+        return
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    except ImportError:  # another transformers: it records outputs otherwise
+        return
+    for m in models:
+        _CAN_RECORD_REGISTRY[m] = m._can_record_outputs
+
+
 def is_peft_model(model: Any) -> bool:
     """A peft PeftModel (LoRA and the other adapters): its checkpoints hold the adapter alone."""
     return _from(model, "peft") and hasattr(model, "peft_config") and hasattr(model, "get_base_model")

@@ -15,6 +15,7 @@ import torch
 from . import accelerate_config
 from .accelerator import Accelerator
 from .metrics import format_metrics, write_metrics
+from .objects import register_output_capture
 from .optim import optimizer_cls_and_kwargs
 from ..optim.optimizers import decay_parameter_names
 
@@ -30,6 +31,12 @@ class ExampleScriptMethods:
     is_in_train: bool = False   # True between train()'s entry and exit, as HF
 
     # ------------------------------------------------------------ the process
+    def __setstate__(self, state: dict) -> None:
+        """Unpickled in another process (a Ray worker, a sweep trial): its transformers models registered there
+        (objects.register_output_capture)."""
+        self.__dict__.update(state)
+        register_output_capture(*state.values())
+
     @property
     def accelerator(self) -> Accelerator:
         """A stand-in for accelerate's Accelerator, one per Trainer (see docs/huggingface.md for what it covers)."""

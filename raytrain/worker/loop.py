@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..hf import accelerate_config, adapters
+from ..hf import accelerate_config, adapters, instrument
 from ..checkpoint import store as ckpt
 from . import elastic, neftune, resume, run_state, tokens
 from ..data.columns import check_same_schema, is_named_datasets
@@ -69,8 +69,17 @@ class NonFiniteError(RuntimeError):
 def train(trainer: TrainerProtocol, resume_from_checkpoint=None, trial=None, locate=None) -> TrainOutput:
     """The training loop. `locate(path)`, a context manager, gives a directory holding that checkpoint's
     weights on this rank (Ray runs: fetched from Ray's storage where this node's disk lacks them)."""
-    with neftune.noise(trainer.model, trainer.args.neftune_noise_alpha):  # removed after training, as HF
-        return _train(trainer, resume_from_checkpoint, trial, locate)
+    args = trainer.args
+    instrument.apply_liger(trainer.model, args)  # as HF's train(): Liger's kernels, the underflow watch
+    instrument.watch_underflow_overflow(trainer.model, args.debug)
+    if args.tf32 is not None:  # HF sets it with the arguments, in their process: here in the training one
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.tf32
+    trainer.is_in_train = True  # evaluations during training keep the training precision (full_eval)
+    try:
+        with neftune.noise(trainer.model, args.neftune_noise_alpha):  # removed after training, as HF
+            return _train(trainer, resume_from_checkpoint, trial, locate)
+    finally:
+        trainer.is_in_train = False
 
 
 def _train(trainer: TrainerProtocol, resume_from_checkpoint, trial, locate) -> TrainOutput:
