@@ -105,3 +105,14 @@ def test_torch_empty_cache_steps_empties_at_hfs_steps(tmp_path, monkeypatch):
     trainer = Trainer(model=scripts.TinyRegressor(), args=args, train_dataset=scripts.regression_data(48))
     trainer.train()
     assert steps == [0, 0, 2, 2, 4, 4]  # HF's: after each micro-batch's loss, at steps divisible by N
+
+
+def test_ddp_backend_and_timeout_reach_the_workers_process_group(tmp_path):
+    from raytrain import Trainer, TrainingArguments
+    from raytrain.driver.torch_trainer import build_torch_trainer
+
+    args = TrainingArguments(str(tmp_path), ddp_backend="gloo", ddp_timeout=77, scaling={"num_workers": 2},
+                             report_to="none", disable_tqdm=True)
+    built = build_torch_trainer(Trainer(model=torch.nn.Linear(2, 1), args=args), args, name="x",
+                                storage_path=str(tmp_path))
+    assert (built.backend_config.backend, built.backend_config.timeout_s) == ("gloo", 77)
