@@ -77,6 +77,7 @@ class Trainer(LossMethods, HFOverridePoints, ExampleScriptMethods, PipelineMetho
         self.optimizers = optimizers
         self.optimizer, self.lr_scheduler = optimizers
         self.label_names = self.args.label_keys if self.args.label_names else hf.default_label_names(self.model)
+        self.model_accepts_loss_kwargs = hf.accepts_loss_kwargs(self.model)  # HF's; a script may change it
         self.label_smoother = (hf.LabelSmoother(self.args.label_smoothing_factor)
                                if self.args.label_smoothing_factor else None)
         if self.label_smoother is not None and \
@@ -387,13 +388,14 @@ class Trainer(LossMethods, HFOverridePoints, ExampleScriptMethods, PipelineMetho
         the trial's args, model and callbacks (HF's _hp_search_setup). The other arguments stay, but for
         model_init (the sweep made `model`) and optimizers (the driver's model's); caches, state are new."""
         self.forget_caches()
+        accepts = self.model_accepts_loss_kwargs  # HF decides it once, at the Trainer's construction
         Trainer.__init__(self, model=model, args=args, data_collator=self.data_collator,
                          train_dataset=self.train_dataset, eval_dataset=self.eval_dataset,
                          processing_class=self.processing_class, compute_loss_func=self.compute_loss_func,
                          compute_metrics=self.compute_metrics, callbacks=callbacks,
                          optimizer_cls_and_kwargs=self.optimizer_cls_and_kwargs,
                          preprocess_logits_for_metrics=self.preprocess_logits_for_metrics)
-        self.trial_name, self.trial_params = trial_name, trial_params
+        self.trial_name, self.trial_params, self.model_accepts_loss_kwargs = trial_name, trial_params, accepts
 
     def forget_caches(self) -> None:
         """What this Trainer derived from its model, data and arguments (data sources, FLOPs, batch size found)."""

@@ -25,28 +25,13 @@ class LossMethods:
     #: HF's: whether compute_loss's value is already scaled for gradient accumulation (None: HF's rule).
     loss_is_scaled_for_ga: bool | None = None
 
+    #: HF's: the micro-batches of the step being trained (the loop sets it; fewer in an epoch's last step).
+    current_gradient_accumulation_steps: int = 1
+    #: HF's: the model's own accepts_loss_kwargs, else whether its forward takes **kwargs (then it gets
+    #: num_items_in_batch); Trainer.__init__ sets it, a script may change it (HF's tests turn it off).
+    model_accepts_loss_kwargs: bool = False
+
     # ------------------------------------------------------------ HF's decisions
-    @property
-    def model_accepts_loss_kwargs(self) -> bool:
-        """HF's: the model's own accepts_loss_kwargs, else whether its forward takes **kwargs (then it gets
-        num_items_in_batch). Settable, as in HF (its tests turn it off)."""
-        if "_accepts_loss_kwargs" not in self.__dict__:
-            self.__dict__["_accepts_loss_kwargs"] = hf.accepts_loss_kwargs(self.model)
-        return self.__dict__["_accepts_loss_kwargs"]
-
-    @model_accepts_loss_kwargs.setter
-    def model_accepts_loss_kwargs(self, value: bool) -> None:
-        self.__dict__["_accepts_loss_kwargs"] = bool(value)
-
-    @property
-    def current_gradient_accumulation_steps(self) -> int:
-        """HF's: the micro-batches of the step being trained (the loop sets it; fewer in an epoch's last step)."""
-        return self.__dict__.get("_current_ga") or self.args.gradient_accumulation_steps
-
-    @current_gradient_accumulation_steps.setter
-    def current_gradient_accumulation_steps(self, value: int) -> None:
-        self.__dict__["_current_ga"] = value
-
     def loss_needs_num_items(self) -> bool:
         """HF counts num_items_in_batch for every step (one micro-batch on one rank too) when compute_loss passes
         it on: to a model taking loss keywords, or to compute_loss_func."""
