@@ -26,6 +26,9 @@ from pathlib import Path
 FILES = ["test_trainer_callback.py", "test_trainer_checkpointing.py", "test_trainer_data.py",
          "test_trainer_evaluation.py", "test_trainer_optimizers.py", "trainer_test_utils.py"]
 OPTIONAL = ["test_trainer.py"]  # the rest of HF's Trainer tests: with --all
+# HF's tests of TrainingArguments, accelerator_config, MoE losses, Liger's skip_logits and the searches: with --extra
+EXTRA = ["test_training_args.py", "test_trainer_accelerator.py", "test_trainer_moe_loss.py",
+         "test_skip_logits_eval.py", "test_trainer_hyperparameter.py"]
 TESTING = "transformers.testing_utils"  # its missing require_* skip; no name of it is raytrain's
 # The transformers modules whose Trainer names raytrain provides under the same name.
 MODULES = {"transformers", "transformers.trainer", "transformers.trainer_callback",
@@ -111,11 +114,15 @@ def main() -> int:
     parser.add_argument("--keep", type=Path, help="build the two trees here and keep them")
     parser.add_argument("--workers", type=int, default=2, help="pytest-xdist processes")
     parser.add_argument("--all", action="store_true", help="also tests/trainer/test_trainer.py")
+    parser.add_argument("--extra", action="store_true", help="also the files in EXTRA")
+    parser.add_argument("--only-extra", action="store_true", help="only the files in EXTRA (with trainer_test_utils.py)")
     parser.add_argument("-k", dest="select", help="pytest -k expression: run only these tests")
     parser.add_argument("--reuse", action="store_true",
                         help="take transformers' outcomes from an earlier run in --keep (rerun raytrain only)")
     args = parser.parse_args()
-    files = FILES + (OPTIONAL if args.all else [])
+    files = FILES + (OPTIONAL if args.all else []) + (EXTRA if args.extra else [])
+    if args.only_extra:
+        files = ["trainer_test_utils.py", *EXTRA]
     missing = [n for n in files if not (args.tests / "trainer" / n).is_file()]
     if missing:
         sys.exit(f"--tests: {args.tests / 'trainer'} lacks {', '.join(missing)} "

@@ -17,13 +17,15 @@ from .data.columns import is_named_datasets
 from .hf import adapters, objects as hf
 from .hf.metrics import MemoryTracker
 from .hf.optim import create_optimizer, create_scheduler
+from .hf.instrument import check_liger
+from .hf.loss import LossMethods
 from .hf.pipeline import PipelineMethods
 from .hf.seq2seq import Seq2SeqMethods
 from .hf.sequence import SequenceMethods
 from .hf.skeleton import ExampleScriptMethods
 from .hf.trackers import integration_callbacks
 from .hf.trainer_api import HFOverridePoints
-from .optim.optimizers import build_optimizer, get_lr
+from .optim.optimizers import build_optimizer
 from .runtime.seeding import set_seed
 from .strategies.base import unwrap_model
 from .worker import loop
@@ -34,7 +36,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["Seq2SeqTrainer", "Trainer", "set_seed", "trainer_class"]
 
 
-class Trainer(HFOverridePoints, ExampleScriptMethods, PipelineMethods, SequenceMethods):
+class Trainer(LossMethods, HFOverridePoints, ExampleScriptMethods, PipelineMethods, SequenceMethods):
     """Train, evaluate and predict with a PyTorch model, as HF's Trainer does (same arguments, same
     overridable methods, same events).
 
@@ -63,6 +65,7 @@ class Trainer(HFOverridePoints, ExampleScriptMethods, PipelineMethods, SequenceM
         if optimizers[0] is not None and optimizer_cls_and_kwargs is not None:
             raise ValueError("Trainer: pass either optimizers or optimizer_cls_and_kwargs, not both")
         self.model_init = model_init
+        self.create_accelerator_and_postprocess()  # HF's: accelerator_config's num_steps may set the accumulation
         self.model = model if model is not None else self.call_model_init()
         self.model_wrapped = None
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
@@ -75,6 +78,7 @@ class Trainer(HFOverridePoints, ExampleScriptMethods, PipelineMethods, SequenceM
         self.optimizers = optimizers
         self.optimizer, self.lr_scheduler = optimizers
         self.label_names = self.args.label_keys if self.args.label_names else hf.default_label_names(self.model)
+        self.model_accepts_loss_kwargs = hf.accepts_loss_kwargs(self.model)  # HF's; a script may change it
         self.label_smoother = (hf.LabelSmoother(self.args.label_smoothing_factor)
                                if self.args.label_smoothing_factor else None)
         if self.label_smoother is not None and \
@@ -116,11 +120,13 @@ class Trainer(HFOverridePoints, ExampleScriptMethods, PipelineMethods, SequenceM
         if self.train_dataset is None:
             raise ValueError("Trainer: training requires a train_dataset.")
         self.ignore_keys_for_eval = ignore_keys_for_eval
-        if self.args.should_use_distributed:
-            try:  # a model that cannot be split into the layout: before any worker starts (CLI: exit 2)
+        try:  # Liger's kernels without a GPU, a model that cannot be split into the layout: before any worker
+            check_liger(self.args)  # starts, in one line (CLI: exit 2)
+            if self.args.should_use_distributed:
                 self._check_layout()
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        if self.args.should_use_distributed:
             from .driver.launch import run_distributed
             return run_distributed(self, resume_from_checkpoint)
         if self.model_init is not None:  # as HF: every train() starts from a fresh, seeded model
@@ -325,50 +331,9 @@ class Trainer(HFOverridePoints, ExampleScriptMethods, PipelineMethods, SequenceM
         device = self.get_strategy().device
         if device.type == "cpu":
             return inputs
-        return {k: v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-
-    def compute_loss(self, model, inputs: dict, return_outputs: bool = False, num_items_in_batch=None):
-        """The micro-batch's share of the update step's loss: sum over its items / items in the step,
-        so that accumulated micro-batches equal one large batch exactly."""
-        labels = inputs.get("labels")
-        if self.compute_loss_func is not None or (self.label_smoother is not None and labels is not None):
-            outputs = model(**{k: v for k, v in inputs.items() if k != "labels"})
-            if self.compute_loss_func is not None:
-                loss = self.compute_loss_func(outputs, labels, num_items_in_batch)
-            else:
-                total, items = self.label_smoother(outputs, labels, shift_labels=self._label_shift(model, inputs))
-                loss = total / (num_items_in_batch if num_items_in_batch is not None else items)
-        elif num_items_in_batch is not None and self._loss_items_rule()[1]:
-            outputs = model(**inputs, num_items_in_batch=num_items_in_batch)
-            loss = hf.loss_of(outputs)
-        else:
-            outputs = model(**inputs)
-            loss = hf.loss_of(outputs)
-            if num_items_in_batch is not None:
-                # The model's loss is a mean over its items: weight it by their share of the step.
-                loss = loss * (self.count_loss_items(inputs) / num_items_in_batch)
-        return (loss, outputs) if return_outputs else loss
-
-    def training_step(self, model, inputs: dict, num_items_in_batch=None) -> torch.Tensor:
-        """Forward and backward for one micro-batch; returns the detached loss (no host sync)."""
-        strategy = self._strategy
-        if strategy.pipeline is not None:  # pp_size > 1: through this rank's stages (hf/pipeline.py)
-            return self._pipeline_training_step(model, inputs, num_items_in_batch,
-                                                type(self).compute_loss is not Trainer.compute_loss)
-        if not model.training:  # model.train() walks every module: only after an evaluation
-            model.train()
-        optimizer = self.optimizer
-        if hasattr(optimizer, "train"):  # schedule-free: the weights it trains, not those it evaluates (as HF)
-            optimizer.train()
-        scale = strategy.gradient_scale
-        with self._sequence_step(model, inputs):  # sp_size / cp_size: the sequence split (hf/sequence.py)
-            with strategy.autocast():
-                loss = self.compute_loss(model, inputs, num_items_in_batch=num_items_in_batch)
-            if hasattr(optimizer, "fused_backward"):  # LOMO updates the weights in its backward, at the current rate
-                optimizer.fused_backward(loss * scale if scale != 1 else loss, get_lr(optimizer))
-            else:
-                strategy.backward(loss * scale if scale != 1 else loss)
-        return loss.detach()
+        non_blocking = self.accelerator.non_blocking  # accelerator_config's (accelerate's default: a blocking copy)
+        return {k: v.to(device, non_blocking=non_blocking) if isinstance(v, torch.Tensor) else v
+                for k, v in inputs.items()}
 
     def prediction_step(self, model, inputs: dict, prediction_loss_only: bool, ignore_keys: list[str] | None = None):
         """(loss, predictions, labels) for one evaluation batch; loss is the batch's mean; predictions are
@@ -384,8 +349,10 @@ class Trainer(HFOverridePoints, ExampleScriptMethods, PipelineMethods, SequenceM
             ignore_keys = hf.ignore_keys_for(unwrap_model(model))
         with torch.no_grad(), self.get_strategy().autocast():
             if has_labels:  # HF's num_items_in_batch: this batch's items, a tensor
+                if self.args.use_liger_kernel and prediction_loss_only:  # HF: Liger's loss without the logits
+                    inputs = {**inputs, "skip_logits": True}
                 loss, outputs = self.compute_loss(model, inputs, return_outputs=True,
-                                                  num_items_in_batch=self._eval_num_items(model, inputs))
+                                                  num_items_in_batch=self._eval_num_items(inputs))
             else:
                 outputs = model(**inputs)
                 loss = None
@@ -394,11 +361,6 @@ class Trainer(HFOverridePoints, ExampleScriptMethods, PipelineMethods, SequenceM
         if prediction_loss_only:
             return loss, None, None
         return loss, hf.predictions_of(outputs, loss is not None, ignore_keys), labels
-
-    def loss_needs_num_items(self) -> bool:
-        """Whether compute_loss gets num_items_in_batch even for a single micro-batch on one rank: as HF,
-        with compute_loss_func or a model that takes loss keywords."""
-        return self._loss_items_rule()[0]
 
     def floating_point_ops(self, inputs: dict) -> float:
         """HF's count: 6 x the main input's elements x the parameters less embeddings, for models that
@@ -427,17 +389,18 @@ class Trainer(HFOverridePoints, ExampleScriptMethods, PipelineMethods, SequenceM
         the trial's args, model and callbacks (HF's _hp_search_setup). The other arguments stay, but for
         model_init (the sweep made `model`) and optimizers (the driver's model's); caches, state are new."""
         self.forget_caches()
+        accepts = self.model_accepts_loss_kwargs  # HF decides it once, at the Trainer's construction
         Trainer.__init__(self, model=model, args=args, data_collator=self.data_collator,
                          train_dataset=self.train_dataset, eval_dataset=self.eval_dataset,
                          processing_class=self.processing_class, compute_loss_func=self.compute_loss_func,
                          compute_metrics=self.compute_metrics, callbacks=callbacks,
                          optimizer_cls_and_kwargs=self.optimizer_cls_and_kwargs,
                          preprocess_logits_for_metrics=self.preprocess_logits_for_metrics)
-        self.trial_name, self.trial_params = trial_name, trial_params
+        self.trial_name, self.trial_params, self.model_accepts_loss_kwargs = trial_name, trial_params, accepts
 
     def forget_caches(self) -> None:
         """What this Trainer derived from its model, data and arguments (data sources, FLOPs, batch size found)."""
-        for cache in ("_data_sources", "_model_flops", "_num_params", "_wants_items", "_found_batch_size"):
+        for cache in ("_data_sources", "_model_flops", "_num_params", "_loss_shifts", "_found_batch_size"):
             self.__dict__.pop(cache, None)
 
     #: The metric a sweep optimises when given no compute_objective and no metric, and its direction when given

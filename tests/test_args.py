@@ -56,7 +56,8 @@ def test_type_range_and_choice_errors():
     config_error(r"^scaling.num_workers: must be >= 1, got 0$", scaling={"num_workers": 0})
     config_error(r"^scaling.placement_strategy: must be one of PACK, ", scaling={"placement_strategy": "x"})
     config_error(r"^warmup_steps: expected a number, got 'abc'$", warmup_steps="abc")
-    config_error(r"^logging_steps: must be an integer step count or a ratio < 1, got 1.5$", logging_steps=1.5)
+    config_error(r"^logging_steps: must be a whole step count when above 1 \(a ratio is below 1\), got 1.5$",
+                 logging_steps=1.5)
     config_error(r"^model.factory: must be set$", model={"hidden_size": 4})
     config_error(r"^model.factory: expected an import string 'package.module:function', got 'x'$",
                  model={"factory": "x"})

@@ -20,8 +20,6 @@ from raytrain.strategies.ddp import DDPStrategy, ddp_kwargs
 from raytrain.strategies.single import SingleProcessStrategy
 
 WARNED = {  # a non-default value -> the start of its warning
-    "dataloader_in_order": (False, "dataloader_in_order=False is not supported"),
-    "liger_kernel_config": ({"rope": True}, "liger_kernel_config is not supported"),
     "trackio_bucket_id": ("me/bucket", "trackio_bucket_id is not supported"),
     "trackio_space_id": ("me/space", "trackio_space_id is not supported"),
     "trackio_static_space_id": (False, "trackio_static_space_id is not supported"),

@@ -74,11 +74,11 @@ class TrainingArguments(HFArgumentMethods):
     warmup_steps: float = _f(0, "warmup: an int is a step count, a float in (0, 1) a ratio of total steps")
     warmup_ratio: float = _f(0.0, "warmup as a ratio of total steps (HF compatibility)")
     logging_strategy: _Steps = _f("steps", "when to log")
-    logging_steps: Annotated[float, Field(gt=0)] = _f(
+    logging_steps: Annotated[float, Field(ge=0)] = _f(
         500, "log every N steps; a float < 1 is a ratio of total steps")
     logging_first_step: bool = _f(False, "also log after the first step")
     eval_strategy: _Steps = _f("no", "when to evaluate")
-    eval_steps: Annotated[float | None, Field(gt=0)] = _f(
+    eval_steps: Annotated[float | None, Field(ge=0)] = _f(
         None, "evaluate every N steps (ratio if < 1); defaults to logging_steps")
     eval_delay: Annotated[float, Field(ge=0)] = _f(
         0, "epochs (eval_strategy epoch) or steps to wait before the first evaluation")
@@ -91,7 +91,7 @@ class TrainingArguments(HFArgumentMethods):
     label_smoothing_factor: Annotated[float, Field(ge=0, lt=1)] = _f(
         0.0, "label smoothing epsilon for the cross-entropy of the model's logits")
     save_strategy: Literal["no", "steps", "epoch", "best"] = _f("steps", "when to checkpoint")
-    save_steps: Annotated[float, Field(gt=0)] = _f(
+    save_steps: Annotated[float, Field(ge=0)] = _f(
         500, "checkpoint every N steps; a float < 1 is a ratio of total steps")
     save_total_limit: Annotated[int | None, Field(ge=1)] = _f(
         None, "keep at most this many checkpoints in total, the best among them")
@@ -110,7 +110,7 @@ class TrainingArguments(HFArgumentMethods):
     full_determinism: bool = _f(False, "use deterministic algorithms (slower)")
     bf16: bool = _f(False, "bfloat16 mixed precision")
     fp16: bool = _f(False, "float16 mixed precision with loss scaling (CUDA only)")
-    tf32: bool | None = _f(None, "allow TF32 matmuls on Ampere+ GPUs (ignored on CPU)")
+    tf32: bool | None = _f(None, "allow TF32 matmuls on Ampere+ GPUs (true needs one; false turns them off)")
     use_cpu: bool = _f(False, "train on the CPU even when a GPU is available")
     activation_checkpointing: bool | None = _f(
         None, "recompute activations in the backward pass to save memory", nargs="?", const=True)
@@ -159,8 +159,8 @@ class TrainingArguments(HFArgumentMethods):
     ignore_data_skip: bool = _f(
         False, "on resume, restart the saved epoch from its first batch instead of continuing mid-epoch")
 
-    # Accepted so that HF scripts run unchanged; they change nothing here (warned once where a user
-    # might rely on them). See _HF_NOOP_WARNINGS.
+    # HF's fields that the Trainer itself does not read (scripts do), or that raytrain refuses when set to what
+    # it cannot do (validation.REFUSED); _HF_NOOP_WARNINGS warns for the few that are ignored without another field.
     do_train: bool = _f(False, "read by your script, not by the Trainer (as in HF)")
     do_eval: bool = _f(False, "read by your script, not by the Trainer (as in HF)")
     do_predict: bool = _f(False, "read by your script, not by the Trainer (as in HF)")
@@ -170,27 +170,39 @@ class TrainingArguments(HFArgumentMethods):
         "warning", "get_process_log_level() on the other processes (raytrain logs on the main one)")
     log_on_each_node: bool = _f(True, "should_log / get_process_log_level: main process of each node, else of the run")
     local_rank: int = _f(-1, "accepted for HF compatibility (Ray Train assigns ranks)")
-    push_to_hub: bool = _f(False, "not supported: the model is saved locally")
+    push_to_hub: bool = _f(False, "not supported (true is refused): the model is saved in output_dir")
     hub_model_id: str | None = _f(None, "not supported (push_to_hub)")
-    hub_strategy: str = _f("every_save", "not supported (push_to_hub)")
+    hub_strategy: Literal["end", "every_save", "checkpoint", "all_checkpoints"] = _f(
+        "every_save", "not supported (push_to_hub)")
     hub_token: str | None = _f(None, "not supported (push_to_hub)")
     hub_private_repo: bool | None = _f(None, "not supported (push_to_hub)")
     hub_always_push: bool = _f(False, "not supported (push_to_hub)")
     hub_revision: str | None = _f(None, "not supported (push_to_hub)")
-    eval_do_concat_batches: bool = _f(True, "accepted for HF compatibility (batches are always concatenated)")
-    include_for_metrics: list[str] = _f(None, "accepted for HF compatibility", factory=list)
-    average_tokens_across_devices: bool = _f(True, "accepted: the loss is always normalised across ranks")
+    eval_do_concat_batches: bool = _f(True, "predictions concatenated across batches (false is refused)")
+    include_for_metrics: list[str] = _f(None, "not supported (only [] is accepted)", factory=list)
+    average_tokens_across_devices: bool = _f(
+        True, "count num_items_in_batch over every rank (and scale the loss by the process count, as HF); false: "
+              "each rank normalises its own loss by its own items")
     ddp_find_unused_parameters: bool | None = _f(None, "passed to DDP when set (unset: torch's default, false)")
     ddp_broadcast_buffers: bool | None = _f(None, "passed to DDP as broadcast_buffers when set")
     ddp_bucket_cap_mb: int | None = _f(None, "passed to DDP as bucket_cap_mb when set")
     ddp_static_graph: bool | None = _f(None, "passed to DDP as static_graph when set")
-    ddp_backend: str | None = _f(None, "accepted for HF compatibility (gloo on CPU, nccl on GPU)")
-    ddp_timeout: int = _f(1800, "accepted for HF compatibility")
-    fsdp: str | None = _f(None, "HF's FSDP switch: any value selects distributed.strategy fsdp")
-    fsdp_config: dict[str, Any] | str | None = _f(None, "accepted for HF compatibility; use distributed.fsdp")
+    ddp_backend: Literal["nccl", "gloo", "mpi", "ccl", "hccl", "cncl", "mccl"] | None = _f(
+        None, "the Ray workers' torch.distributed backend (default: gloo on CPU, nccl on GPU)")
+    ddp_timeout: int = _f(1800, "seconds the Ray workers' process group waits in a collective before failing")
+    fsdp: str | None = _f(
+        None, "HF's FSDP switch (true, or its legacy options: full_shard, shard_grad_op, offload, auto_wrap): "
+              "selects distributed.strategy fsdp")
+    fsdp_config: dict[str, Any] | str | None = _f(
+        None, "with fsdp: HF's FSDP options (a mapping or JSON path), read by transformers and given to "
+              "distributed.fsdp (version 2, cpu_offload, reshard_after_forward, activation_checkpointing, "
+              "transformer_layer_cls_to_wrap, min_num_params)")
     deepspeed: dict[str, Any] | str | None = _f(
         None, "a DeepSpeed config (mapping or JSON path): selects distributed.strategy deepspeed")
-    accelerator_config: dict[str, Any] | str | None = _f(None, "not supported (no accelerate here)")
+    accelerator_config: Any = _f(
+        None, "accelerate's settings as HF takes them (a mapping, transformers' AcceleratorConfig or a JSON path): "
+        "split_batches, dispatch_batches, even_batches, use_seedable_sampler, non_blocking, "
+        "gradient_accumulation_kwargs, use_configured_state (docs/huggingface.md)")
     group_by_length: bool = _f(False, "HF 4's name of train_sampling_strategy: group_by_length")
     length_column_name: str = _f(
         "length", "group_by_length: the column holding each sample's length (else the length of its input_ids)")
@@ -199,8 +211,10 @@ class TrainingArguments(HFArgumentMethods):
         "sorted by length, longest first, as HF's LengthGroupedSampler: less padding)")
     neftune_noise_alpha: Annotated[float | None, Field(gt=0)] = _f(
         None, "NEFTune: uniform noise of +-alpha/sqrt(length x hidden size) on the input embeddings while training")
-    use_liger_kernel: bool = _f(False, "not supported")
-    liger_kernel_config: dict[str, bool] | None = _f(None, "not supported (use_liger_kernel)")
+    use_liger_kernel: bool = _f(
+        False, "patch the model with Liger's Triton kernels when training (needs liger-kernel and a GPU); a "
+               "loss-only evaluation passes skip_logits=True, as HF")
+    liger_kernel_config: dict[str, bool] | None = _f(None, "use_liger_kernel: the kernels to apply (Liger's keywords)")
     optim_target_modules: None | str | list[str] = _f(
         None, "the modules whose weights GaLore / APOLLO project: names, a regex or 'all-linear'")
     parallelism_config: Any = _f(
@@ -213,7 +227,7 @@ class TrainingArguments(HFArgumentMethods):
     tp_plan: dict[str, str] | str | None = _f(
         "auto", "tensor-parallel plan: auto (the model's base_model_tp_plan / _tp_plan) or module name patterns "
         "to colwise, rowwise, colwise_gather_output, embedding_rowwise, sequence_parallel, replicate")
-    dataloader_in_order: bool = _f(True, "batches always come in order (deterministic); false is not supported")
+    dataloader_in_order: bool = _f(True, "batches always come in order (deterministic); false is refused")
     dataloader_multiprocessing_context: Literal["fork", "spawn", "forkserver"] | None = _f(
         None, "start method of the data worker processes (dataloader_num_workers > 0); default: torch's")
     eval_use_gather_object: bool = _f(False, "accepted: evaluation results are always gathered as objects")
@@ -226,12 +240,17 @@ class TrainingArguments(HFArgumentMethods):
     trackio_bucket_id: str | None = _f(None, "report_to trackio: the bucket its logs are kept in (HF's)")
     trackio_static_space_id: str | None | Literal[False] = _f(
         None, "report_to trackio: the static Space frozen at the end (false: none) (HF's)")
-    torch_empty_cache_steps: int | None = _f(None, "accepted for HF compatibility")
+    torch_empty_cache_steps: int | None = _f(
+        None, "empty the GPU's cache every N steps (torch.cuda.empty_cache, as HF): lower peak memory, slower")
     save_on_each_node: bool = _f(False, "accepted: rank 0 writes to shared storage")
-    bf16_full_eval: bool = _f(False, "accepted for HF compatibility (evaluation uses the training precision)")
-    fp16_full_eval: bool = _f(False, "accepted for HF compatibility (evaluation uses the training precision)")
+    bf16_full_eval: bool = _f(
+        False, "evaluate outside training with the model cast to bfloat16 (as HF, the cast stays)")
+    fp16_full_eval: bool = _f(
+        False, "evaluate outside training with the model cast to float16 (as HF, the cast stays)")
     project: str = _f("huggingface", "report_to trackio: the project to log to (HF's)")
-    debug: str | None = _f("", "accepted for HF compatibility")
+    debug: str | list[str] = _f(
+        "", "HF's debug options: underflow_overflow (transformers' DebugUnderflowOverflow watches every module "
+            "while training and stops at the first inf/nan), tpu_metrics_debug (TPUs only: nothing here, as HF)")
 
     model: ModelConfig | None = _f(None, "model section: factory plus its keyword arguments")
     data: DataConfig | None = _f(None, "data section: factory plus its keyword arguments")
@@ -363,6 +382,10 @@ class UnknownFieldError(ConfigError, TypeError):
 
 
 def _plain(v: Any) -> Any:
+    if isinstance(v, list):
+        return [_plain(x) for x in v]
+    if hasattr(v, "to_dict") and hasattr(v, "__dataclass_fields__"):  # transformers' AcceleratorConfig, as HF
+        return v.to_dict()
     if isinstance(v, BaseModel):
         return v.model_dump(mode="json")
     if isinstance(v, Enum):
@@ -378,6 +401,11 @@ class _Rules(ArgumentRules):
         return _field_names()
 
 
+#: Fields validated as a wider type than the dataclass states (HfArgumentParser reads the dataclass's):
+#: warmup_steps a number (_check_warmup_steps makes whole numbers ints); fsdp and debug as HF takes them.
+_VALIDATED_AS = {"warmup_steps": float, "fsdp": bool | str | list[str] | None, "debug": str | list[str] | None}
+
+
 @functools.cache
 def _schema() -> type[StrictModel]:
     """The pydantic model that validates TrainingArguments: its fields, types and help, plus _Rules."""
@@ -388,10 +416,7 @@ def _schema() -> type[StrictModel]:
             info = Field(default_factory=f.default_factory, description=f.metadata["help"])
         else:
             info = Field(default=f.default, description=f.metadata["help"])
-        annotation = hints[f.name]
-        if f.name == "warmup_steps":
-            annotation = float  # validated as a number; _check_warmup_steps makes whole numbers ints
-        spec[f.name] = (annotation, info)
+        spec[f.name] = (_VALIDATED_AS.get(f.name, hints[f.name]), info)
     return create_model("TrainingArguments", __base__=_Rules, **spec)
 
 

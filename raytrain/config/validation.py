@@ -13,27 +13,31 @@ from typing import Any
 
 from pydantic import field_validator, model_validator
 
+from . import derived
 from .sections import ConfigError, StrictModel, parse_pairs, show_number, show_value
-from ..hf.args import deprecated_alias
+from ..hf import accelerate_config
+from ..hf.args import debug_options, deprecated_alias
 from ..hf.names import INTEGRATIONS, LOW_RANK, OWN_INTEGRATIONS, available_integrations, check_optim, installed
 
 logger = logging.getLogger(__name__)
 
 _HF_NOOP_WARNINGS = {
-    "push_to_hub": "push_to_hub is not supported; the model is saved locally in output_dir",
-    "accelerator_config": "accelerator_config is not supported (no accelerate); use the scaling section",
-    "use_liger_kernel": "use_liger_kernel is not supported; the model's own kernels are used",
     "logging_dir": "logging_dir is not used without report_to tensorboard; logs are in trainer_state.json",
-    "fsdp_config": "fsdp_config is not used; put FSDP options in distributed.fsdp",
-    "include_for_metrics": "include_for_metrics is not supported; EvalPrediction holds predictions and label_ids",
-    "liger_kernel_config": "liger_kernel_config is not supported; the model's own kernels are used",
-    "dataloader_in_order": "dataloader_in_order=False is not supported; batches always come in order",
+    "fsdp_config": "fsdp_config is read only with fsdp set (as HF); put FSDP options in distributed.fsdp",
     **{name: f"{name} is not supported without report_to trackio; it is ignored"
        for name in ("trackio_space_id", "trackio_bucket_id", "trackio_static_space_id")},
 }
-#: Fields that an integration in report_to reads: no warning when it is there.
+#: Fields that an integration in report_to (or another field) reads: no warning when it is there.
 _USED_BY = {"logging_dir": "tensorboard", "trackio_space_id": "trackio", "trackio_bucket_id": "trackio",
             "trackio_static_space_id": "trackio"}
+#: HF fields whose other value raytrain cannot honour: refused in one line (what HF does, and what to do here).
+REFUSED = {
+    "push_to_hub": (False, "the Hugging Face Hub is not supported; the model is saved in output_dir (upload it "
+                           "with huggingface_hub's upload_folder)"),
+    "include_for_metrics": ([], "not supported; compute_metrics gets EvalPrediction's predictions and label_ids"),
+    "eval_do_concat_batches": (True, "false is not supported; predictions are always concatenated across batches"),
+    "dataloader_in_order": (True, "false is not supported; batches always come in order (a resume counts them)"),
+}
 _warned: set[str] = set()
 
 #: HF 5.23's deprecated names of activation checkpointing: one sets the other.
@@ -62,6 +66,8 @@ def warn_noop_fields(args) -> None:
     """Warn once per process for each accepted-but-ignored field set to other than its default."""
     for f in dataclasses.fields(args):
         if f.name not in _HF_NOOP_WARNINGS or f.name in _warned or _USED_BY.get(f.name) in args.report_to:
+            continue
+        if f.name == "fsdp_config" and args.fsdp:
             continue
         default = f.default_factory() if f.default is dataclasses.MISSING else f.default
         if getattr(args, f.name) != default:
@@ -99,10 +105,30 @@ class ArgumentRules(StrictModel):
     def _default_output_dir(cls, v: Any) -> Any:
         return "trainer_output" if v is None else v
 
-    @field_validator("disable_tqdm", mode="before", check_fields=False)
+    @field_validator(*REFUSED, check_fields=False)
     @classmethod
-    def _none_is_false(cls, v: Any) -> Any:
-        return False if v is None else v
+    def _refused(cls, v: Any, info) -> Any:
+        default, why = REFUSED[info.field_name]
+        if v != default and v is not None:
+            raise ValueError(why)
+        return default if v is None else v
+
+    @field_validator("torch_empty_cache_steps", mode="before", check_fields=False)
+    @classmethod
+    def _cache_steps(cls, v: Any) -> Any:
+        if v is not None and not (isinstance(v, int) and v > 0):  # HF's test: 1.0 is refused too
+            raise ValueError(f"must be an integer > 0 (the device cache is emptied every N steps), got {show_value(v)}")
+        return v
+
+    @field_validator("debug", check_fields=False)
+    @classmethod
+    def _debug(cls, v: Any) -> list:
+        return debug_options(v)
+
+    @field_validator("accelerator_config", mode="before", check_fields=False)
+    @classmethod
+    def _accelerator_config(cls, v: Any) -> Any:
+        return accelerate_config.parse(v)
 
     @field_validator("eval_delay", mode="before", check_fields=False)
     @classmethod
@@ -163,13 +189,6 @@ class ArgumentRules(StrictModel):
             raise ValueError(f"a float must be a ratio in (0, 1), got {v}")
         return v
 
-    @field_validator("logging_steps", "eval_steps", "save_steps", check_fields=False)
-    @classmethod
-    def _check_steps(cls, v: float | None) -> float | None:
-        if v is not None and v >= 1 and not float(v).is_integer():
-            raise ValueError(f"must be an integer step count or a ratio < 1, got {v}")
-        return v
-
     @field_validator("report_to", mode="before", check_fields=False)
     @classmethod
     def _normalize_report_to(cls, v: Any) -> list[str]:
@@ -189,14 +208,7 @@ class ArgumentRules(StrictModel):
     def _check_combinations(self):
         # Derived defaults go through __dict__: assigning would re-run this validator.
         self._resolve_aliases()
-        if self.eval_strategy == "steps" and self.eval_steps is None:
-            self.__dict__["eval_steps"] = self.logging_steps
-        if self.load_best_model_at_end and self.metric_for_best_model is None:
-            self.__dict__["metric_for_best_model"] = "loss"
-        if self.metric_for_best_model is not None and self.greater_is_better is None:
-            self.__dict__["greater_is_better"] = not self.metric_for_best_model.endswith("loss")
-        if self.torch_compile_backend or self.torch_compile_mode:
-            self.__dict__["torch_compile"] = True
+        derived.apply(self)  # HF's __post_init__: derived values and its refusals
         self._apply_hf_backends()
 
         if self.max_steps <= 0 and self.num_train_epochs <= 0:
@@ -294,13 +306,35 @@ class ArgumentRules(StrictModel):
             self.__dict__["activation_checkpointing"] = self.__dict__["gradient_checkpointing"] = False
 
     def _apply_hf_backends(self) -> None:
-        """HF's top-level `deepspeed` / `fsdp` switches select our distributed backend."""
+        """HF's top-level `deepspeed` / `fsdp` switches select our distributed backend; fsdp_config (read by
+        transformers' own code) becomes distributed.fsdp's options."""
         dist = self.distributed
+        if self.fsdp and dist.strategy in ("auto", "fsdp") and not self.deepspeed:
+            self._apply_fsdp()
+            return
         if dist.strategy != "auto" or not (self.deepspeed or self.fsdp):
             return
         update = ({"strategy": "deepspeed", "deepspeed": dist.deepspeed or self.deepspeed} if self.deepspeed
                   else {"strategy": "fsdp"})
         # a new section, validated as any other; __dict__ as above, to not re-run this validator
+        self.__dict__["distributed"] = type(dist).model_validate({**dist.model_dump(), **update})
+
+    def _apply_fsdp(self) -> None:
+        dist = self.distributed
+        if installed("transformers"):
+            from ..hf.fsdp_args import fsdp_options
+
+            try:
+                config, options = fsdp_options(self.fsdp, self.fsdp_config, self.activation_checkpointing)
+            except ValueError as e:
+                raise ConfigError(str(e) if str(e).startswith("fsdp") else f"fsdp: {e}") from None
+            self.__dict__.update(fsdp=True, fsdp_config=config)
+        elif self.fsdp_config:
+            raise ConfigError("fsdp_config: transformers reads it, and it is not installed; put the options in "
+                              "distributed.fsdp")
+        else:
+            options = {}
+        update = {"strategy": "fsdp", "fsdp": {**options, **dist.fsdp}}  # distributed.fsdp's own win
         self.__dict__["distributed"] = type(dist).model_validate({**dist.model_dump(), **update})
 
     def _check_load_best(self) -> None:

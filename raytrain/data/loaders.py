@@ -21,12 +21,12 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from ..hf import objects as hf
+from ..hf import accelerate_config, objects as hf
 from .build import build_source
 from .columns import default_collate
 from .errors import DataError
 from .prefetch import timed_batches
-from .sources import MapSource, group_by_length, hf_order, sampler_order
+from .sources import MapSource, group_by_length, hf_order, sampler_order, uneven_message
 
 logger = logging.getLogger(__name__)
 
@@ -49,10 +49,13 @@ def build_loader(data: Any, batch_size: int, args: Any, **kw) -> Any:
     # training for max_steps needs no epoch length: a ray Dataset of unknown count streams beside (ray_data.py)
     length_optional = kw.get("name") == "train_dataset" and getattr(args, "max_steps", 0) > 0
     source = build_source(data, batch_size, length_optional=length_optional, **kw)
+    accel = accelerate_config.settings(getattr(args, "accelerator_config", None))
+    if kw.get("shuffle", True):
+        _check_sampler(source, accel, getattr(args, "data_order", "raytrain"), sampler is not None)
     if sampler is not None:
         sampler_order(source, sampler)
     elif kw.get("shuffle", True) and getattr(args, "data_order", "raytrain") == "hf":
-        hf_order(source)
+        hf_order(source, accel["even_batches"], accel["split_batches"])
     elif getattr(args, "data_order", "raytrain") == "hf" and isinstance(source, MapSource):
         source.data_order = "hf"  # in order, but each pass draws torch's DataLoader seed as HF's evaluation does
     if kw.get("shuffle", True) and grouped_by_length(args) and sampler is None:
@@ -64,6 +67,18 @@ def build_loader(data: Any, batch_size: int, args: Any, **kw) -> Any:
                           persistent_workers=args.dataloader_persistent_workers,
                           multiprocessing_context=getattr(args, "dataloader_multiprocessing_context", None))
     return source
+
+
+def _check_sampler(source: Any, accel: dict, data_order: str, own_sampler: bool) -> None:
+    """accelerator_config's sampler settings that a training source cannot follow, refused in one line."""
+    if not accel["use_seedable_sampler"] and not own_sampler:  # accelerate replaces only the RandomSampler
+        raise DataError("accelerator_config.use_seedable_sampler: false (torch's RandomSampler drawing from the "
+                        "global RNG) is not supported; raytrain's orders are seeded (data_seed, else seed, and the "
+                        "epoch) so that a resume continues them; leave it true")
+    n, world = getattr(source, "num_samples", None), getattr(source, "world_size", 1)
+    if not accel["even_batches"] and data_order != "hf" and world > 1 and n is not None and not source.drop_last \
+            and n % (source.batch_size * world):
+        raise DataError(uneven_message(source))
 
 
 def grouped_by_length(args: Any) -> bool:

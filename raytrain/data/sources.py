@@ -75,6 +75,7 @@ class MapSource:
         self.length_batch = 0  # HF's batch_size of LengthGroupedSampler: a megabatch is 50 (at most) of them
         self.sampler: Any = None  # a torch Sampler giving the order (sampler_order)
         self._sampled: tuple[int, torch.Tensor] | None = None  # (epoch, its order): a pass is replayed once
+        self._positions: list[torch.Tensor] | None = None  # accelerate's even batches: each batch's order positions
 
     def __len__(self) -> int:
         return self._num_batches
@@ -103,6 +104,8 @@ class MapSource:
 
     def batch_indices(self, epoch: int, batch: int, order: torch.Tensor | None = None) -> torch.Tensor:
         order = self.order(epoch) if order is None else order
+        if self._positions is not None:
+            return order[self._positions[batch]]
         lo, hi = rank_span(batch, self._num_batches, self._used, self.batch_size, self.world_size, self.rank)
         return order[lo:hi]
 
@@ -162,20 +165,35 @@ class MapSource:
         return state
 
 
-def hf_order(source: Any) -> None:
-    """Give a shuffled map-style source HF's order (data_order "hf"). Several ranks split it as accelerate
-    does only when every global batch is full; a stream has no index order to permute."""
+def hf_order(source: Any, even_batches: bool = True, split_batches: bool = False) -> None:
+    """Give a shuffled map-style source HF's order (data_order "hf"), split between several ranks as accelerate's
+    BatchSamplerShard splits it: an epoch ending in a partial global batch is filled with samples from the start
+    of its order (even_batches; false, the ranks would take different numbers of batches: refused). A stream has
+    no index order to permute."""
     if not isinstance(source, MapSource):
         raise DataError(f"data_order='hf': {source.name} ({source.where}) is streamed, and HF's sampler permutes "
                         "the rows of an in-memory dataset; pass the data in memory (Files(..., stream=False)) "
                         "or set data_order='raytrain'")
-    gb = source.batch_size * source.world_size
-    if source.world_size > 1 and not source.drop_last and source.num_samples % gb:
-        raise DataError(f"data_order='hf' on {source.world_size} ranks: {source.name}'s {source.num_samples} "
-                        f"samples end in a partial global batch ({source.num_samples % gb} of {gb}), which "
-                        "accelerate fills with samples from the start of the epoch and raytrain does not; set "
-                        "dataloader_drop_last=true, or data_order='raytrain'")
     source.data_order = "hf"
+    gb = source.batch_size * source.world_size
+    if source.world_size == 1 or source.drop_last or source.num_samples % gb == 0:
+        return
+    if not even_batches:
+        raise DataError(uneven_message(source))
+    from accelerate.data_loader import BatchSamplerShard  # accelerate's own split, on the order's positions
+    from torch.utils.data import BatchSampler
+
+    batches = BatchSampler(range(source.num_samples), gb if split_batches else source.batch_size, False)
+    source._positions = [torch.tensor(b) for b in BatchSamplerShard(
+        batches, source.world_size, source.rank, split_batches=split_batches, even_batches=True)]
+    source._num_batches = len(source._positions)
+
+
+def uneven_message(source: Any) -> str:
+    gb = source.batch_size * source.world_size
+    return (f"accelerator_config.even_batches: false leaves {source.name}'s last partial global batch "
+            f"({source.num_samples % gb} of {gb} samples) to some ranks only, which would then take more steps "
+            "than the others; leave it true, or set dataloader_drop_last")
 
 
 def sampler_order(source: Any, sampler: Any) -> None:

@@ -57,7 +57,7 @@ def build_torch_trainer(trainer, args, *, name: str, storage_path: str | None, r
                              # Ray Train's INFO lines (resources requested, worker group started, process
                              # group set up) stay in its log files; its warnings still print.
                              logging_config=LoggingConfig(log_level="WARNING")),
-        torch_config=_RaytrainTorchConfig(),
+        torch_config=_RaytrainTorchConfig(backend=args.ddp_backend, timeout_s=args.ddp_timeout),  # HF's ddp_*
         scaling=args.scaling,
     )
 

@@ -38,6 +38,29 @@ def live_dist():
     return torch.distributed
 
 
+class DebugOption(str, Enum):
+    """transformers.debug_utils.DebugOption's values, for a raytrain without transformers."""
+
+    UNDERFLOW_OVERFLOW = "underflow_overflow"
+    TPU_METRICS_DEBUG = "tpu_metrics_debug"
+
+
+def debug_options(value: Any) -> list:
+    """HF's `debug`: a space-separated string (or a list) as DebugOption members, transformers' enum where it is
+    installed; a ValueError names a bad option."""
+    items = value.split() if isinstance(value, str) else list(value or [])
+    if not items:
+        return []
+    try:
+        from transformers.debug_utils import DebugOption as options
+    except ImportError:
+        options = DebugOption
+    bad = [i for i in items if getattr(i, "value", i) not in {o.value for o in options}]
+    if bad:
+        raise ValueError(f"unknown option {bad[0]!r}; valid: {', '.join(o.value for o in options)}")
+    return [options(getattr(i, "value", i)) for i in items]
+
+
 def deprecated_alias(old: str = "gradient_checkpointing", new: str = "activation_checkpointing") -> None:
     """HF 5.23's FutureWarning for gradient_checkpointing*, the old names of activation_checkpointing*."""
     warnings.warn(f"`{old}` is deprecated and will be removed in v6. Use `{new}` instead.", FutureWarning, stacklevel=3)
@@ -98,6 +121,17 @@ class HFArgumentMethods:
     @property
     def should_use_distributed(self) -> bool:
         return self.scaling.num_workers > 1
+
+    @property
+    def mixed_precision(self) -> str:
+        """HF's: fp16 / bf16, else accelerate's ACCELERATE_MIXED_PRECISION, else "no"."""
+        return "fp16" if self.fp16 else "bf16" if self.bf16 else os.environ.get("ACCELERATE_MIXED_PRECISION", "no")
+
+    @property
+    def ddp_timeout_delta(self):
+        import datetime
+
+        return datetime.timedelta(seconds=self.ddp_timeout)
 
     @property
     def place_model_on_device(self) -> bool | None:

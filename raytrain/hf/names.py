@@ -5,6 +5,7 @@ call it before any work."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 
 #: Built by raytrain itself (torch's classes, as HF's Trainer picks them), with or without transformers.
@@ -105,6 +106,12 @@ INTEGRATIONS: dict[str, tuple[tuple[str, ...], str]] = {
 }
 #: Integrations raytrain runs itself; the others are transformers' callbacks.
 OWN_INTEGRATIONS = ("mlflow", "tensorboard")
+
+
+def kubeflow_available() -> bool:
+    """transformers' is_kubeflow_available (5.23): inside a Kubeflow TrainJob, report_to gains kubeflow."""
+    return os.environ.get("DISABLE_KUBEFLOW_INTEGRATION", "FALSE").upper() != "TRUE" and \
+        os.environ.get("KUBEFLOW_TRAINER_SERVER_URL") is not None
 
 
 def available_integrations() -> list[str]:

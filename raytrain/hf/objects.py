@@ -38,6 +38,24 @@ def is_pretrained_model(model: Any) -> bool:
     return _from(model, "transformers") and hasattr(model, "config") and hasattr(model, "save_pretrained")
 
 
+def register_output_capture(*objects: Any) -> None:
+    """A transformers model unpickled in a fresh process (a Ray worker) is missing from transformers 5.23's
+    registry of what each model class records (filled as a model is built): its router logits (a MoE model's
+    router loss), hidden states and attentions would not be captured. Register the classes of the models in
+    `objects` (modules, or lists of them) again."""
+    modules = [m for o in objects for m in (o if isinstance(o, (list, tuple)) else [o])
+               if isinstance(m, torch.nn.Module)]
+    models = [m for o in modules for m in o.modules() if is_pretrained_model(m) and hasattr(m, "_can_record_outputs")]
+    if not models:
+        return
+    try:
+        from transformers.utils.output_capturing import _CAN_RECORD_REGISTRY
+    except ImportError:  # another transformers: it records outputs otherwise
+        return
+    for m in models:
+        _CAN_RECORD_REGISTRY[m] = m._can_record_outputs
+
+
 def is_peft_model(model: Any) -> bool:
     """A peft PeftModel (LoRA and the other adapters): its checkpoints hold the adapter alone."""
     return _from(model, "peft") and hasattr(model, "peft_config") and hasattr(model, "get_base_model")
@@ -125,25 +143,28 @@ def ignore_keys_for(model: Any) -> list[str]:
 
 
 class LabelSmoother:
-    """HF's label smoothing: (1 - eps) * NLL + eps * mean over classes of -log p, over items whose
-    label is not -100. Returns the sum over items (the loop divides by the items of the step)."""
+    """HF's label smoothing (transformers 5.23's LabelSmoother): (1 - eps) * NLL + eps * mean over classes of
+    -log p, over items whose label is not -100, divided by num_items_in_batch when given, else by the items."""
 
     def __init__(self, epsilon: float, ignore_index: int = -100):
         self.epsilon, self.ignore_index = epsilon, ignore_index
 
-    def __call__(self, outputs: Any, labels: torch.Tensor, shift_labels: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, outputs: Any, labels: torch.Tensor, shift_labels: bool = False,
+                 num_items_in_batch: Any = None) -> torch.Tensor:
         logits = outputs["logits"] if isinstance(outputs, dict) else outputs[0]
         if shift_labels:
             logits, labels = logits[..., :-1, :].contiguous(), labels[..., 1:].contiguous()
-        log_probs = -torch.nn.functional.log_softmax(logits.float(), dim=-1)
+        log_probs = -torch.nn.functional.log_softmax(logits, dim=-1)
         if labels.dim() == log_probs.dim() - 1:
             labels = labels.unsqueeze(-1)
         padding = labels.eq(self.ignore_index)
         nll = log_probs.gather(dim=-1, index=torch.clamp(labels, min=0)).masked_fill(padding, 0.0)
-        smooth = log_probs.sum(dim=-1, keepdim=True).masked_fill(padding, 0.0)
-        items = padding.numel() - padding.long().sum()
-        total = (1 - self.epsilon) * nll.sum() + self.epsilon * smooth.sum() / log_probs.shape[-1]
-        return total, items
+        smooth = log_probs.sum(dim=-1, keepdim=True, dtype=torch.float32).masked_fill(padding, 0.0)
+        if num_items_in_batch is None:
+            items = padding.numel() - padding.long().sum()
+        else:
+            items = num_items_in_batch.to(nll.device) if torch.is_tensor(num_items_in_batch) else num_items_in_batch
+        return (1 - self.epsilon) * (nll.sum() / items) + self.epsilon * (smooth.sum() / (items * log_probs.shape[-1]))
 
 
 def is_causal_lm(model: Any) -> bool:
@@ -194,7 +215,7 @@ def default_label_names(model) -> list[str]:
 
 def accepts_loss_kwargs(model) -> bool:
     """HF's model_accepts_loss_kwargs: the model's own accepts_loss_kwargs, else whether its forward takes
-    **kwargs (or num_items_in_batch by name): HF then counts num_items_in_batch for every batch."""
+    **kwargs: HF then counts num_items_in_batch for every batch and passes it to the forward."""
     from ..strategies.base import unwrap_model
 
     inner = unwrap_model(model)
@@ -204,7 +225,7 @@ def accepts_loss_kwargs(model) -> bool:
         params = inspect.signature(inner.forward).parameters
     except (TypeError, ValueError):
         return False
-    return "num_items_in_batch" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    return any(p.kind is p.VAR_KEYWORD for p in params.values())
 
 
 def loss_shifts_labels(model) -> bool:
@@ -219,18 +240,6 @@ def loss_shifts_labels(model) -> bool:
 
     return LOSS_MAPPING.get(getattr(inner, "loss_type", None)) is ForCausalLMLoss and \
         not getattr(getattr(inner, "config", None), "is_encoder_decoder", False)
-
-
-def accepts_num_items(model) -> bool:
-    """Whether the model's forward takes num_items_in_batch (then it normalises its loss itself)."""
-    from ..strategies.base import unwrap_model
-
-    fwd = unwrap_model(model).forward
-    try:
-        params = inspect.signature(fwd).parameters
-    except (TypeError, ValueError):
-        return False
-    return "num_items_in_batch" in params
 
 
 class _HFBestRun(NamedTuple):  # transformers' BestRun where it is not installed

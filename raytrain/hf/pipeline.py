@@ -43,15 +43,17 @@ class PipelineMethods:
                              "labels (the last stage computes the loss from them)")
         if not model.training:
             model.train()
+        across = self.args.average_tokens_across_devices  # else each rank's loss over its own items, as HF
         if num_items_in_batch is None:
-            num_items_in_batch = strategy.all_reduce(self.count_loss_items(inputs))
-        scale = strategy.gradient_scale  # the reduce-scatter averages
+            count = self.count_loss_items(inputs)
+            num_items_in_batch = strategy.all_reduce(count) if across else count
+        scale = strategy.gradient_scale if across else 1  # the reduce-scatter averages
         loss = self._pipeline_loss(num_items_in_batch, scale)
         with strategy.autocast():
             losses, _ = strategy.pipeline.run(inputs, self._main_input(), inputs["labels"], loss, train=True)
         if not losses:
             return torch.zeros((), device=strategy.device)
-        return (torch.stack(losses).sum() / scale).detach()
+        return torch.stack(losses).sum().detach()  # HF's value: the step's share x the data-parallel ranks
 
     def _pipeline_prediction_step(self, model, inputs: dict, prediction_loss_only: bool):
         """(loss, logits, labels) on the last stage (the loss the batch's mean over its items), (None, None,
@@ -79,17 +81,18 @@ class PipelineMethods:
         return getattr(unwrap_model(self.model), "main_input_name", "input_ids")
 
     def _pipeline_loss(self, num_items: Any, scale: int):
-        """The loss of one microbatch's logits: its share of the step's (sum over its items / num_items)."""
+        """The loss of one microbatch's logits: its share of the step's (sum over its items / num_items) x `scale`
+        (the data-parallel ranks whose gradients are averaged)."""
         inner = unwrap_model(self.model)
         inner = inner.get_base_model() if hasattr(inner, "get_base_model") else inner
         config = getattr(inner, "config", None)
 
         def loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
             if self.compute_loss_func is not None:
-                value = self.compute_loss_func(_Outputs(logits=logits), labels, num_items)
+                value = self.compute_loss_func(_Outputs(logits=logits), labels, num_items_in_batch=num_items)
             elif self.label_smoother is not None:
-                total, items = self.label_smoother({"logits": logits}, labels, shift_labels=hf.is_causal_lm(inner))
-                value = total / (num_items if num_items is not None else items)
+                value = self.label_smoother({"logits": logits}, labels, shift_labels=hf.is_causal_lm(inner),
+                                            num_items_in_batch=num_items)
             else:
                 value = inner.loss_function(logits=logits, labels=labels, vocab_size=config.vocab_size,
                                             num_items_in_batch=num_items)

@@ -12,8 +12,10 @@ from typing import Any
 
 import torch
 
+from . import accelerate_config
 from .accelerator import Accelerator
 from .metrics import format_metrics, write_metrics
+from .objects import register_output_capture
 from .optim import optimizer_cls_and_kwargs
 from ..optim.optimizers import decay_parameter_names
 
@@ -29,10 +31,29 @@ class ExampleScriptMethods:
     is_in_train: bool = False   # True between train()'s entry and exit, as HF
 
     # ------------------------------------------------------------ the process
+    def __setstate__(self, state: dict) -> None:
+        """Unpickled in another process (a Ray worker, a sweep trial): its transformers models registered there
+        (objects.register_output_capture)."""
+        self.__dict__.update(state)
+        register_output_capture(*state.values())
+
     @property
     def accelerator(self) -> Accelerator:
-        """A small stand-in for accelerate's Accelerator (see docs/huggingface.md for what it leaves out)."""
-        return Accelerator(self)
+        """A stand-in for accelerate's Accelerator, one per Trainer (see docs/huggingface.md for what it covers)."""
+        if "_accelerator" not in self.__dict__:
+            self.__dict__["_accelerator"] = Accelerator(self)
+        return self.__dict__["_accelerator"]
+
+    def create_accelerator_and_postprocess(self) -> None:
+        """HF's: the Trainer's Accelerator; accelerator_config's gradient_accumulation_kwargs num_steps becomes
+        gradient_accumulation_steps (the Trainer accumulates; accelerate's num_steps is 1), as HF."""
+        self.__dict__["_accelerator"] = Accelerator(self)
+        kwargs = accelerate_config.settings(self.args.accelerator_config)["gradient_accumulation_kwargs"] or {}
+        if "num_steps" in kwargs:
+            if self.args.gradient_accumulation_steps > 1:
+                raise ValueError("accelerator_config: The `AcceleratorConfig`'s `num_steps` is set but "
+                                 "`gradient_accumulation_steps` is greater than 1; set only one of them")
+            self.args.gradient_accumulation_steps = kwargs["num_steps"]
 
     def is_world_process_zero(self) -> bool:
         return self.get_strategy().is_main

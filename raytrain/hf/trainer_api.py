@@ -11,7 +11,6 @@ import sys
 
 import torch
 
-from . import objects as hf
 from ..checkpoint import store as ckpt
 from ..optim.schedules import scheduler_needs_metric
 from ..callbacks.state import TrainerControl, TrainerState, TrainOutput
@@ -35,35 +34,6 @@ class HFOverridePoints:
             name = self.args.metric_for_best_model or "loss"
             self.lr_scheduler.step(metrics[name if name.startswith("eval_") else f"eval_{name}"])
         return metrics
-
-    def _eval_num_items(self, model, inputs: dict):
-        """HF's num_items_in_batch for one evaluation batch (a tensor), counted only when the loss takes it
-        (as in training)."""
-        if "labels" not in inputs or not self.loss_needs_num_items():
-            return None
-        return self.count_loss_items(inputs)
-
-    def _loss_items_rule(self) -> tuple[bool, bool, bool]:
-        """(count num_items_in_batch always, pass it to the model's forward, count labels[..., 1:]), looked
-        up once."""
-        if "_wants_items" not in self.__dict__:
-            self._wants_items = (self.compute_loss_func is not None or hf.accepts_loss_kwargs(self.model),
-                                 hf.accepts_num_items(self.model), hf.loss_shifts_labels(self.model))
-        return self._wants_items
-
-    def count_loss_items(self, inputs: dict):
-        """The loss items of a batch as HF counts them, a tensor: labels other than -100, over labels[..., 1:]
-        where the model's loss shifts them (HF's rule); one per row for float labels (regression)."""
-        labels = inputs.get("shift_labels")
-        if labels is None:
-            labels = inputs.get("labels")
-            if not isinstance(labels, torch.Tensor):
-                return None
-            if labels.is_floating_point():
-                return torch.tensor(labels.shape[0], device=labels.device)
-            if labels.dim() > 1 and self._loss_items_rule()[2]:
-                labels = labels[..., 1:]
-        return labels.ne(-100).sum()
 
     # ------------------------------------------------------------ callbacks and learning rate
     def _load_callback_state(self) -> None:

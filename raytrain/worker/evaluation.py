@@ -39,6 +39,8 @@ def evaluation_loop(trainer: TrainerProtocol, source, description: str, predicti
         # A driver whose workers trained (global_step > 0) did not prepare the model for evaluation alone.
         if trainer.model_preparation_time is None and trainer.state.global_step == 0:
             trainer.model_preparation_time = round(time.perf_counter() - prep, 4)
+    if not trainer.is_in_train and (args.fp16_full_eval or args.bf16_full_eval):  # HF's cast, which stays
+        model = model.to(dtype=torch.float16 if args.fp16_full_eval else torch.bfloat16)
     cb = trainer.callback_handler
     cb.eval_dataloader = source
     if prediction_loss_only is None:

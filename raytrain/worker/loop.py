@@ -14,7 +14,8 @@ The loop, with every callback event in the order it fires (HF Trainer's order)::
         for each update step (gradient_accumulation_steps micro-batches):
           on_step_begin
           for each micro-batch:
-            training_step: forward, loss * items/items_in_step, backward (no_sync but the last)
+            training_step: forward, HF's loss (a mean: x items/items_in_step), backward (no_sync but the last,
+                           unless accelerator_config's sync_each_batch)
             on_substep_end                           (after every micro-batch but the last)
           clip -> on_pre_optimizer_step -> optimizer.step -> on_optimizer_step
           scheduler.step; global_step += 1
@@ -43,7 +44,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from ..hf import adapters
+from ..hf import accelerate_config, adapters, instrument
 from ..checkpoint import store as ckpt
 from . import elastic, neftune, resume, run_state, tokens
 from ..data.columns import check_same_schema, is_named_datasets
@@ -68,12 +69,22 @@ class NonFiniteError(RuntimeError):
 def train(trainer: TrainerProtocol, resume_from_checkpoint=None, trial=None, locate=None) -> TrainOutput:
     """The training loop. `locate(path)`, a context manager, gives a directory holding that checkpoint's
     weights on this rank (Ray runs: fetched from Ray's storage where this node's disk lacks them)."""
-    with neftune.noise(trainer.model, trainer.args.neftune_noise_alpha):  # removed after training, as HF
-        return _train(trainer, resume_from_checkpoint, trial, locate)
+    args = trainer.args
+    instrument.apply_liger(trainer.model, args)  # as HF's train(): Liger's kernels, the underflow watch
+    instrument.watch_underflow_overflow(trainer.model, args.debug)
+    if args.tf32 is not None:  # HF sets it with the arguments, in their process: here in the training one
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = args.tf32
+    trainer.is_in_train = True  # evaluations during training keep the training precision (full_eval)
+    try:
+        with neftune.noise(trainer.model, args.neftune_noise_alpha):  # removed after training, as HF
+            return _train(trainer, resume_from_checkpoint, trial, locate)
+    finally:
+        trainer.is_in_train = False
 
 
 def _train(trainer: TrainerProtocol, resume_from_checkpoint, trial, locate) -> TrainOutput:
     configured = elastic.fit_batch(trainer.args, trainer.get_strategy().world_size)  # before the data is cut
+    accelerate_config.split_batches(trainer.args, trainer.get_strategy().dp_size)  # split_batches: this rank's part
     run = _setup(trainer)
     trainer.log_training_start(run.data, run.steps_per_epoch)  # HF's "***** Running training *****" lines
     path = resume.resolve(trainer, resume_from_checkpoint)
@@ -161,7 +172,8 @@ def _setup(trainer: TrainerProtocol) -> RunState:
                                        side_channel=strategy.side_channel() if args.save_async and
                                        strategy.world_size > 1 else None)
     return RunState(trainer, strategy, data, steps_per_epoch, n_batches, writer=writer,
-                    tr_loss=torch.zeros((), device=strategy.device), count_tokens=tokens.counter(trainer))
+                    tr_loss=torch.zeros((), device=strategy.device), count_tokens=tokens.counter(trainer),
+                    sync_each_batch=accelerate_config.sync_each_batch(args.accelerator_config))
 
 
 def _train_source(trainer: TrainerProtocol, strategy):
@@ -214,29 +226,35 @@ def _train_step(run: RunState, window: list[dict]) -> None:
     count = run.count_tokens
     seen = sum(map(count, window)) if count is not None else 0  # on the host, before the device
     window = [trainer.prepare_inputs(b) for b in window]
+    trainer.current_gradient_accumulation_steps = len(window)  # HF's, for a loss scaled by the accumulation
     num_items = None
     if len(window) > 1 or strategy.world_size > 1 or trainer.loss_needs_num_items():
-        # Normalise by the items of the whole update step (all micro-batches, all ranks); with one
-        # micro-batch on one rank the weight is exactly 1 and the count is skipped.
+        # Normalise by the items of the whole update step (all micro-batches, all ranks unless
+        # average_tokens_across_devices is off); with one micro-batch on one rank the count is skipped.
         counts = [trainer.count_loss_items(b) for b in window]
         items = sum(counts) if all(c is not None for c in counts) else None  # None: the model's own loss
+        across = items is not None and args.average_tokens_across_devices and strategy.world_size > 1
         if count is not None and strategy.world_size > 1:  # the ranks' tokens ride in the same all_reduce
-            reduced, seen = tokens.reduce_counts(strategy, items, seen)
-            num_items = reduced if items is not None else None
+            reduced, seen = tokens.reduce_counts(strategy, items if across else None, seen)
+            num_items = reduced if across else items
             run.tokens_pending = seen if run.tokens_pending is None else run.tokens_pending + seen
-        elif items is not None:
-            num_items = strategy.all_reduce(items)
+        else:
+            num_items = strategy.all_reduce(items) if across else items
     if count is not None and strategy.world_size == 1:
         state.num_input_tokens_seen += seen
     step_loss = None
+    gradient_state = trainer.accelerator.gradient_state
     for i, batch in enumerate(window):
         last = i == len(window) - 1
-        with (strategy.no_sync() if not last else _null()):
+        gradient_state.sync_gradients = last  # as HF sets accelerate's flag for each micro-batch
+        with (strategy.no_sync() if not last and not run.sync_each_batch else _null()):
             loss = trainer.training_step(trainer.model_wrapped, batch, num_items)
         step_loss = loss if step_loss is None else step_loss + loss
         if not last:
             trainer.control = cb.on_substep_end(args, state, trainer.control)
         state.total_flos += trainer.floating_point_ops(batch)
+    if strategy.dp_size > 1:  # HF's loss is each rank's x the ranks (DDP averages): this rank's share of the mean
+        step_loss = step_loss / strategy.dp_size
     run.grad_norm = strategy.clip_grad_norm(args.max_grad_norm)
     trainer.control = cb.on_pre_optimizer_step(args, state, trainer.control)
     stepped = strategy.optimizer_step(run.grad_norm)

@@ -40,6 +40,9 @@ class TrainerProtocol(Protocol):
     trial_name: str | None                      # set by a sweep: the TrainerState names the trial
     trial_params: dict | None
     model_preparation_time: float | None        # HF's: set by the first evaluation of an unprepared model
+    accelerator: Any                            # hf/accelerator.py: accelerate's names (gradient_state's flags)
+    current_gradient_accumulation_steps: int    # HF's: the micro-batches of the step being trained
+    is_in_train: bool                           # HF's: True while train() runs (full_eval casts only outside it)
     _train_batch_size: int                      # HF's: training's per-device batch (auto_find_batch_size
                                                 # lowers it; a resume of such a run takes the checkpoint's)
 

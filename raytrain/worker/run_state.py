@@ -66,6 +66,7 @@ class RunState:
     tokens_pending: torch.Tensor | None = None  # the ranks' tokens not yet in TrainerState (on device)
     start_time: float = 0.0               # this session's start and tokens then: train_tokens_per_second
     start_tokens: int = 0
+    sync_each_batch: bool = False         # accelerator_config: every micro-batch's gradients reduced (no no_sync)
 
 
 # ---------------------------------------------------------------- trainer_state.json

@@ -96,16 +96,19 @@ def test_accepted_hf_field_constructs(name, tmp_path):
         assert getattr(args, name) == NOOP_FIELDS[name]
 
 
-def test_push_to_hub_warns_once(tmp_path, caplog, monkeypatch):
-    import raytrain.config.validation
+@pytest.mark.parametrize("name, value", [("push_to_hub", True), ("include_for_metrics", ["inputs"]),
+                                         ("eval_do_concat_batches", False), ("dataloader_in_order", False)])
+def test_what_raytrain_cannot_do_is_refused_in_one_line(name, value, tmp_path):
+    from raytrain.config.sections import ConfigError
 
     _, TrainingArguments = rt()
-    monkeypatch.setattr(raytrain.config.validation, "_warned", set())  # the warning is once per process
-    with caplog.at_level(logging.WARNING):
-        TrainingArguments(str(tmp_path), push_to_hub=True, use_cpu=True, report_to="none")
-        TrainingArguments(str(tmp_path), push_to_hub=True, use_cpu=True, report_to="none")
-    hub = [r for r in caplog.records if "push_to_hub" in r.getMessage()]
-    assert len(hub) == 1 and "not supported" in hub[0].getMessage()
+    with pytest.raises(ConfigError, match=rf"^{name}: .*not supported") as e:
+        TrainingArguments(str(tmp_path), use_cpu=True, report_to="none", **{name: value})
+    assert "\n" not in str(e.value)
+    args = TrainingArguments(str(tmp_path), use_cpu=True, report_to="none")
+    with pytest.raises(ConfigError, match=rf"^{name}: "):  # an assignment too, and it is rolled back
+        setattr(args, name, value)
+    assert getattr(args, name) != value
 
 
 def test_process_attributes_like_hf(tmp_path):
@@ -126,9 +129,7 @@ def test_process_attributes_like_hf(tmp_path):
 #: Shared fields whose constructed values differ from HF's, and why.
 KNOWN_DIFFERENCES = {
     "lr_scheduler_kwargs": "raytrain normalises None to {}",
-    "accelerator_config": "no accelerate here: HF builds an AcceleratorConfig",
-    "debug": "HF turns '' into []",
-    "dataloader_pin_memory": "HF turns it off with use_cpu; raytrain pins only batches bound for a GPU",
+    "accelerator_config": "HF builds AcceleratorConfig(); raytrain keeps None (accelerate's defaults apply)",
 }
 NEW_IN_5_23 = ["activation_checkpointing", "activation_checkpointing_kwargs", "dataloader_in_order",
                "dataloader_multiprocessing_context", "ddp_broadcast_buffers", "ddp_bucket_cap_mb", "ddp_static_graph",
@@ -249,13 +250,11 @@ SETTERS = [
     ("set_save", dict(strategy="epoch", steps=200, total_limit=2, on_each_node=True)),
     ("set_logging", dict(strategy="steps", steps=100, report_to=["mlflow"], level="info", first_step=True,
                          nan_inf_filter=True, on_each_node=False, replica_level="error")),
-    ("set_push_to_hub", dict(model_id="me/model", strategy="end", token="t", private_repo=True, always_push=True,
-                             revision="main")),
     ("set_optimizer", dict(name="sgd", learning_rate=0.1, weight_decay=0.01, beta1=0.8, beta2=0.99, epsilon=1e-6)),
     ("set_lr_scheduler", dict(name="cosine", num_epochs=2, max_steps=50, warmup_steps=0.05)),
     ("set_dataloader", dict(train_batch_size=16, eval_batch_size=64, drop_last=True, num_workers=2, pin_memory=False,
                             persistent_workers=True, prefetch_factor=4, multiprocessing_context="spawn",
-                            in_order=False, auto_find_batch_size=True, ignore_data_skip=True, sampler_seed=7)),
+                            in_order=True, auto_find_batch_size=True, ignore_data_skip=True, sampler_seed=7)),
 ]
 
 
@@ -286,6 +285,16 @@ def test_set_helpers_like_hf(method, kwargs, tmp_path):
     if expected.get("eval_delay", 0) is None:
         expected["eval_delay"] = 0  # HF's set_evaluate stores None for "no delay"; raytrain keeps the float 0
     assert {n: _plain(getattr(r, n)) for n in changed} == expected
+
+
+def test_set_push_to_hub_is_refused_as_push_to_hub_is(tmp_path):
+    from raytrain.config.sections import ConfigError
+
+    _, TrainingArguments = rt()
+    args = TrainingArguments(str(tmp_path), use_cpu=True, report_to="none")
+    with pytest.raises(ConfigError, match="^push_to_hub: the Hugging Face Hub is not supported"):
+        args.set_push_to_hub("me/model", strategy="end")
+    assert (args.push_to_hub, args.hub_model_id) == (False, None)  # rolled back together
 
 
 @pytest.mark.parametrize("method", ["set_evaluate", "set_save", "set_logging"])

@@ -85,16 +85,17 @@ def test_resume_refuses_a_checkpoint_of_the_other_order(tmp_path):
         regression("rt", tmp_path, resume=str(tmp_path / "checkpoint-7"), data_order="hf")
 
 
-def _accelerate_batches(n, batch_size, world_size, rank, drop_last, seed) -> list[list[list[int]]]:
+def _accelerate_batches(n, batch_size, world_size, rank, drop_last, seed, split=False) -> list[list[list[int]]]:
     """Each epoch's batches of `rank` as transformers 5.23 builds the loader: a RandomSampler prepared by
-    accelerate (use_seedable_sampler, data_seed) and set_epoch per epoch."""
+    accelerate (use_seedable_sampler, data_seed, even_batches, split_batches: batch_size the global batch) and
+    set_epoch per epoch."""
     from accelerate.data_loader import prepare_data_loader
 
     rows = list(range(n))
     loader = torch.utils.data.DataLoader(rows, batch_size=batch_size, sampler=torch.utils.data.RandomSampler(rows),
                                          drop_last=drop_last)
     loader = prepare_data_loader(loader, num_processes=world_size, process_index=rank, use_seedable_sampler=True,
-                                 data_seed=seed)
+                                 data_seed=seed, split_batches=split, even_batches=True)
     out = []
     for epoch in range(EPOCHS):
         loader.set_epoch(epoch)
@@ -102,27 +103,33 @@ def _accelerate_batches(n, batch_size, world_size, rank, drop_last, seed) -> lis
     return out
 
 
-def _source(n, batch_size, world_size, rank, drop_last, seed) -> MapSource:
-    source = MapSource({"i": np.arange(n)}, batch_size, seed=seed, rank=rank, world_size=world_size,
-                       drop_last=drop_last)
-    hf_order(source)
+def _source(n, batch_size, world_size, rank, drop_last, seed, split=False, even=True) -> MapSource:
+    source = MapSource({"i": np.arange(n)}, batch_size // world_size if split else batch_size, seed=seed, rank=rank,
+                       world_size=world_size, drop_last=drop_last)
+    hf_order(source, even_batches=even, split_batches=split)
     return source
 
 
-@pytest.mark.parametrize("n,batch_size,world_size,drop_last", [(40, 4, 2, False), (37, 4, 2, True),
-                                                               (37, 3, 4, True), (36, 8, 1, False)])
-def test_ranks_take_the_batches_accelerate_gives_them(n, batch_size, world_size, drop_last):
+#: (samples, batch, ranks, drop_last, split_batches): full global batches, dropped tails, tails accelerate fills
+#: with samples from the start of the epoch (even_batches), and split batches (the batch is the global one).
+CASES = [(40, 4, 2, False, False), (37, 4, 2, True, False), (37, 3, 4, True, False), (36, 8, 1, False, False),
+         (38, 4, 2, False, False), (37, 3, 4, False, False), (9, 4, 3, False, False), (38, 8, 2, False, True),
+         (37, 6, 3, False, True), (40, 8, 4, True, True)]
+
+
+@pytest.mark.parametrize("n,batch_size,world_size,drop_last,split", CASES)
+def test_ranks_take_the_batches_accelerate_gives_them(n, batch_size, world_size, drop_last, split):
     for rank in range(world_size):
-        source = _source(n, batch_size, world_size, rank, drop_last, seed=7)
+        source = _source(n, batch_size, world_size, rank, drop_last, seed=7, split=split)
         got = [[b["i"].tolist() for b in source.iter_batches(epoch)] for epoch in range(EPOCHS)]
-        assert got == _accelerate_batches(n, batch_size, world_size, rank, drop_last, seed=7), rank
+        assert got == _accelerate_batches(n, batch_size, world_size, rank, drop_last, seed=7, split=split), rank
         assert [b["i"].tolist() for b in source.iter_batches(1, start=2)] == got[1][2:]  # resume: skip 2 batches
 
 
 def test_what_it_cannot_reproduce_is_refused_in_one_line(tmp_path):
-    with pytest.raises(DataError, match=r"^data_order='hf' on 2 ranks: .* 38 samples end in a partial global batch "
-                                        r"\(6 of 8\).*set dataloader_drop_last=true, or data_order='raytrain'$"):
-        _source(38, 4, 2, 0, False, seed=0)
+    with pytest.raises(DataError, match=r"^accelerator_config.even_batches: false leaves dataset's last partial "
+                                        r"global batch \(6 of 8 samples\) to some ranks only.*dataloader_drop_last$"):
+        _source(38, 4, 2, 0, False, seed=0, even=False)
     pq.write_table(pa.table({"x": np.arange(16.0)}), tmp_path / "d.parquet")
     args = TrainingArguments(str(tmp_path), data_order="hf", report_to="none")
     kw = dict(seed=0, shuffle=True, drop_last=False, rank=0, world_size=1, collate_fn=None, name="train_dataset")

@@ -53,8 +53,8 @@ def test_packing_with_data_collator_with_flattening_trains_as_hf(tmp_path, optio
     rt = run("rt", tmp_path / "rt", DataCollatorWithFlattening(**options), model=models["rt"])
     assert len(_losses(rt)) == 12 and _losses(rt) == pytest.approx(_losses(hf), rel=1e-5)
     assert rt.state.log_history[-1]["train_loss"] == pytest.approx(hf.state.log_history[-1]["train_loss"], rel=1e-6)
-    # HF also passes num_items_in_batch to a forward taking **kwargs; raytrain weighs the model's mean instead.
-    assert seen["rt"].keys == seen["hf"].keys - {"num_items_in_batch"} >= {"input_ids", "labels", "position_ids"} | (
+    # Both pass num_items_in_batch to a forward taking **kwargs (HF's model_accepts_loss_kwargs).
+    assert seen["rt"].keys == seen["hf"].keys >= {"num_items_in_batch"} | {"input_ids", "labels", "position_ids"} | (
         {"cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "seq_idx"} if options else set())
     # Each packed sequence attends only to itself (position_ids): the loss of the same rows padded.
     assert _losses(run("rt", tmp_path / "padded"))[:2] == pytest.approx(_losses(rt)[:2], rel=1e-4)

@@ -87,10 +87,11 @@ def test_a_causal_lms_compute_loss_gets_hfs_token_counts_in_training_and_evaluat
         losses[lib] = [e["loss"] for e in trainer.state.log_history if "loss" in e] + [metrics["eval_loss"]]
     assert seen["rt"] == seen["hf"]
     assert len(seen["rt"]) == 8 and seen["rt"][-1][0] is False
-    # HF divides the loss's sum over labels[..., 1:] by this count of all labels (GPT-2's loss_type is None,
-    # so HF does not shift the count): its losses are smaller by about one label per row; raytrain's are the
-    # model's mean (docs/huggingface.md, exact loss normalisation)
-    assert all(0.9 < h / r < 1.0 for h, r in zip(losses["hf"], losses["rt"]))
+    # GPT-2's forward takes **kwargs: both pass it num_items_in_batch, which counts every label (its loss_type is
+    # None, so HF does not shift the count) while the loss sums over labels[..., 1:]: the same training losses (the
+    # evaluation's is raytrain's mean over items, HF's over samples: docs/huggingface.md)
+    assert losses["rt"][:-1] == pytest.approx(losses["hf"][:-1], rel=1e-5)
+    assert losses["rt"][-1] == pytest.approx(losses["hf"][-1], rel=1e-2)
 
 
 def test_batch_eval_metrics_gets_tensors_as_hf(tmp_path):

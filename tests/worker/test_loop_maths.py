@@ -89,7 +89,8 @@ def _token_runs(tmp_path, compute_loss_func=None, record=None):
             record[name] = []
         fn = None
         if compute_loss_func is not None:
-            fn = (lambda out, labels, n, _name=name: compute_loss_func(out, labels, n, record[_name]))
+            fn = (lambda out, labels, num_items_in_batch, _name=name:  # a keyword, as HF passes it
+                  compute_loss_func(out, labels, num_items_in_batch, record[_name]))
         trainer = Trainer(model, args_for(tmp_path / name, num_train_epochs=2, per_device_train_batch_size=bs,
                                           gradient_accumulation_steps=ga, learning_rate=0.5),
                           train_dataset=data, compute_loss_func=fn)

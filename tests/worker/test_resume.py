@@ -240,7 +240,8 @@ def test_every_loop_field_is_saved_or_deliberately_not(tmp_path):
     rebuilt = {"trainer", "strategy", "data", "steps_per_epoch", "num_batches", "exhausted", "writer",
                "last_saved", "epoch", "next_batch",  # these two travel in data_state.json
                "count_tokens", "start_time", "start_tokens",  # this session's (tokens/s, as HF's)
-               "tokens_pending"}  # flushed into TrainerState before every save
+               "tokens_pending",  # flushed into TrainerState before every save
+               "sync_each_batch"}  # read from the arguments (accelerator_config) at each start
     make_trainer(tmp_path, max_steps=1).train()
     saved = json.load(open(tmp_path / "checkpoint-1" / "loop_state.json"))
     # tr_loss's shares and the layout they were held on

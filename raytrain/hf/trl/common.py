@@ -124,10 +124,6 @@ class TRLMethods:
         self.aux_loss_enabled = hasattr(text_config, "output_router_logits") and self.router_aux_loss_coef != 0.0
         return text_config
 
-    @property
-    def current_gradient_accumulation_steps(self) -> int:
-        return self.args.gradient_accumulation_steps
-
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
         mode = "train" if self.model.training else "eval"
         metrics = {key: sum(val) / len(val) for key, val in self._metrics[mode].items() if val}
@@ -148,8 +144,3 @@ class TRLMethods:
 
     def _prediction_labels(self, inputs: dict) -> Any:
         return inputs.get("labels")
-
-
-def divided(out: Any, by: int) -> Any:
-    """compute_loss's result (a loss, or (loss, outputs)) with the loss divided by `by`."""
-    return (out[0] / by, out[1]) if isinstance(out, tuple) else out / by

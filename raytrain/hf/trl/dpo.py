@@ -12,7 +12,7 @@ from trl import DPOTrainer as _TRL
 from trl.trainer.dpo_trainer import DataCollatorForPreference
 from trl.trainer.utils import add_fused_lm_head, create_model_from_path, disable_dropout_in_model
 
-from .common import TRLMethods, as_config, check_unsupported, divided, from_path_kwargs, setup_peft
+from .common import TRLMethods, as_config, check_unsupported, from_path_kwargs, setup_peft
 
 _F_DIVERGENCE_LOSSES = {"sigmoid", "sigmoid_norm", "hinge", "ipo", "exo_pair", "robust", "discopop", "sft"}
 
@@ -150,15 +150,12 @@ class DPOMethods(TRLMethods):
         return (dataset.add_column("ref_chosen_logps", torch.cat(chosen).tolist())
                 .add_column("ref_rejected_logps", torch.cat(rejected).tolist()))
 
+    loss_is_scaled_for_ga = False  # TRL's: a mean over the micro-batch, which training_step divides as HF
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """TRL's loss, a mean over this micro-batch: divided by the micro-batches and ranks of the step, whose
-        sum (and DDP's x world size) raytrain's loop takes; HF's Trainer averages them instead."""
+        """TRL's loss, a mean over this micro-batch (training_step scales it for the accumulation, as HF's)."""
         self._place_frozen()  # on first use, by the run's backend
-        out = self._compute_loss(model, inputs, return_outputs)
-        share = self.args.gradient_accumulation_steps * self.accelerator.num_processes
-        if share == 1 or not self.model.training:  # evaluation: each batch's mean, as raytrain gathers them
-            return out
-        return divided(out, share)
+        return self._compute_loss(model, inputs, return_outputs)
 
     def _prediction_labels(self, inputs: dict) -> Any:
         return inputs["input_ids"]  # TRL's: a preference batch has no labels

@@ -274,16 +274,13 @@ class RolloutMethods(RewardMethods, TRLMethods):
             self._current_train_step_time = 0.0
         return loss
 
+    @property
+    def loss_is_scaled_for_ga(self) -> bool | None:
+        return self._trl.loss_is_scaled_for_ga  # TRL's (GRPO's loss is; RLOO's is scaled by training_step, as HF)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """TRL's loss; while training, scaled as HF's training_step scales it (RLOO's by the accumulation steps) and
-        divided by the ranks, whose sum raytrain's loop takes (DDP then averages x world size)."""
-        loss = self._trl.compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
-        if not self.model.training:
-            return loss
-        if not self._trl.loss_is_scaled_for_ga:
-            loss = loss / self.current_gradient_accumulation_steps
-        n = self.accelerator.num_processes
-        return loss / n if n > 1 else loss
+        """TRL's loss, which training_step scales and backpropagates as HF's does."""
+        return self._trl.compute_loss(self, model, inputs, return_outputs, num_items_in_batch)
 
     def _generate_and_score_completions(self, inputs: list[dict]) -> dict:
         self._place_frozen()  # on first use, by the run's backend

@@ -16,7 +16,7 @@ from trl.data_utils import is_conversational
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 from trl.trainer.utils import add_fused_lm_head, create_model_from_path
 
-from .common import TRLMethods, as_config, check_unsupported, divided, from_path_kwargs, setup_peft
+from .common import TRLMethods, as_config, check_unsupported, from_path_kwargs, setup_peft
 
 
 class SFTMethods(TRLMethods):
@@ -152,14 +152,10 @@ class SFTMethods(TRLMethods):
             text_config.router_aux_loss_coef = self.router_aux_loss_coef
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """TRL's compute_loss; its x num_processes for DDP's gradient mean is undone: raytrain's training_step
-        applies it."""
-        out = _TRL.compute_loss(self, model, inputs, return_outputs=return_outputs,
-                                num_items_in_batch=num_items_in_batch)
-        n = self.accelerator.num_processes
-        if n == 1 or not (self.args.average_tokens_across_devices and num_items_in_batch is not None):
-            return out
-        return divided(out, n)
+        """TRL's compute_loss: x the process count with num_items_in_batch (as HF's), the MoE router loss averaged
+        over the accumulation steps; raytrain's training_step takes it as HF's does."""
+        return _TRL.compute_loss(self, model, inputs, return_outputs=return_outputs,
+                                 num_items_in_batch=num_items_in_batch)
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix: str = "eval") -> dict[str, float]:
         """As TRL: a dataset passed here is prepared as the init's were."""
