@@ -94,8 +94,10 @@ class SimCluster:
 
     def env(self) -> dict:
         """For every node and the driver: token auth (an explicit address does not turn it on), this
-        cluster's address (Ray Train's state API would otherwise see other clusters on the machine)."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") or k == "RAY_AUTH_TOKEN"}
+        cluster's address (Ray Train's state API would otherwise see other clusters on the machine); of the
+        caller's RAY_ variables, the token and Ray Train's poll interval (tests/conftest.py) alone."""
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith("RAY_") or k in ("RAY_AUTH_TOKEN", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")}
         if "RAY_AUTH_TOKEN" not in env and not os.path.exists(os.path.expanduser("~/.ray/auth_token")):
             env["RAY_AUTH_TOKEN"] = self.token
         pythonpath = [ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
