@@ -135,7 +135,7 @@ def test_site_builds_strict(tmp_path):
 
 def test_readme_is_short_and_shows_only_tested_snippets():
     readme = _read("README.md")
-    assert len(readme.splitlines()) <= 125
+    assert len(readme.splitlines()) <= 150  # issue 54: at most 150 lines, the Benchmarks table one row a claim
     snippets = {line.strip() for name in os.listdir(SNIPPETS) for line in _read("docs", "snippets", name).splitlines()}
     for block in re.findall(r"```\w*\n(.*?)```", readme, re.S):
         for line in block.splitlines():

@@ -16,6 +16,8 @@ from raytrain import TrainingArguments, verify_checkpoint
 from raytrain.config.args import SECTIONS
 from raytrain.run import main
 
+# One xdist worker runs the module, so that its module fixtures (the CLI runs started at once) run once.
+pytestmark = pytest.mark.xdist_group("cli_runs")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The example's config, shortened from 20 epochs to 4 to keep the suite fast (still > 0.95 accuracy).
 DIGITS = ["--config", "examples/digits.yaml", "--set", "num_train_epochs=4"]

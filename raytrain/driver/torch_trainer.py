@@ -10,13 +10,17 @@ import os
 import signal
 import threading
 
-from ray.train.torch import TorchConfig, TorchTrainer
-from ray.train.torch.config import _TorchBackend
-from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
+from ..deps import require
 
-from ..runtime.threads import explicit_threads
-from ..worker import ray_worker
-from .elastic import FreshViewElasticPolicy
+require("ray", "raytrain")  # before Ray Train's internals below: another Ray is refused in one line
+
+from ray.train.torch import TorchConfig, TorchTrainer  # noqa: E402
+from ray.train.torch.config import _TorchBackend  # noqa: E402
+from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy  # noqa: E402
+
+from ..runtime.threads import explicit_threads  # noqa: E402
+from ..worker import ray_worker  # noqa: E402
+from .elastic import FreshViewElasticPolicy  # noqa: E402
 
 __all__ = ["build_torch_trainer", "fit", "scaling_config", "worker_error"]
 

@@ -65,9 +65,10 @@ def model_card(trainer, language=None, license=None, tags=None, model_name=None,
     if finetuned_from is None and name_or_path is not None and not os.path.isdir(name_or_path):
         finetuned_from = name_or_path
     if tasks is None and hf.is_pretrained_model(trainer.model):
-        from transformers.modelcard import TASK_MAPPING, _get_mapping_values
-        for task, mapping in TASK_MAPPING.items():
-            if type(trainer.model).__name__ in _get_mapping_values(mapping):
+        from transformers.modelcard import TASK_MAPPING
+        for task, mapping in TASK_MAPPING.items():  # a mapping's values: class names, or tuples of them
+            names = [n for v in mapping.values() for n in (v if isinstance(v, (tuple, list)) else (v,))]
+            if type(trainer.model).__name__ in names:
                 tasks = task
     if model_name is None:
         model_name = Path(trainer.args.output_dir).name

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ..checkpoint.io import HostStaging, lower_thread_priority
+from ..deps import require
 from ..optim.optimizers import get_parameter_groups
 from .base import DEEPSPEED_DIR, Strategy, TorchDistributedMixin, enable_gradient_checkpointing
 from .sequence import init_comm
@@ -38,6 +39,7 @@ class DeepSpeedStrategy(TorchDistributedMixin, Strategy):
     averages_gradients = True  # the engine averages gradients over data-parallel ranks
 
     def __init__(self, args):
+        require("deepspeed", "distributed.strategy deepspeed")  # ZeRO-3's private hooks (_add_hooks below)
         super().__init__(args)
         self._init_distributed(args)
         if self.device.type == "cpu":

@@ -417,9 +417,10 @@ def _consumed(out_dir, rank: int) -> dict[int, list[int]]:
 def test_a_worker_sigkilled_mid_epoch_resumes_bit_exact_with_exact_passes(ray_cluster, tmp_path):
     """2 workers on a ray Dataset (90 ids, 2 x 4 per step: 12 steps per epoch, 30 steps): rank 1 is
     SIGKILLed from this process as step 16 begins, just after checkpoint-15 was handed to Ray (whose
-    controller registers it when it next polls, every 2 s: most likely never); the group restarts from
-    checkpoint-15, which raytrain registers with Ray where it lies in storage, so that Ray's num_to_keep
-    (save_total_limit=1) leaves checkpoint-30 alone there at the end."""
+    controller registers it when it next polls, every 0.5 s in these tests, 2 s by Ray's default: maybe
+    never); the group restarts from checkpoint-15, which raytrain registers with Ray where it lies in
+    storage if Ray did not, so that Ray's num_to_keep (save_total_limit=1) leaves checkpoint-30 alone
+    there at the end."""
     def args(out, limit=None, **kw):
         return TrainingArguments(output_dir=str(out), max_steps=30, per_device_train_batch_size=4, learning_rate=0.1,
                                  save_steps=5, logging_steps=5, seed=0, disable_tqdm=True, report_to="none",

@@ -94,8 +94,10 @@ class SimCluster:
 
     def env(self) -> dict:
         """For every node and the driver: token auth (an explicit address does not turn it on), this
-        cluster's address (Ray Train's state API would otherwise see other clusters on the machine)."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") or k == "RAY_AUTH_TOKEN"}
+        cluster's address (Ray Train's state API would otherwise see other clusters on the machine); of the
+        caller's RAY_ variables, the token and Ray Train's poll interval (tests/conftest.py) alone."""
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith("RAY_") or k in ("RAY_AUTH_TOKEN", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S")}
         if "RAY_AUTH_TOKEN" not in env and not os.path.exists(os.path.expanduser("~/.ray/auth_token")):
             env["RAY_AUTH_TOKEN"] = self.token
         pythonpath = [ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
@@ -418,18 +420,26 @@ def main(spec_path: str) -> None:
     if spec.get("ids"):
         callbacks.append(IdLog(spec["ids"]))
     result: dict = {}
+    if spec.get("refused"):  # first, the same job without storage_path into this output_dir: its error
+        try:
+            refused = digits_args(spec["refused"], None,
+                                  scaling={"resources_per_worker": spec.get("resources", {"CPU": 1, "spot": 1})})
+            Trainer(digits_model(), refused, train_dataset=train).train()
+            result["refused"] = None
+        except Exception as e:  # noqa: BLE001 - the test asserts on it
+            result["refused"] = f"{type(e).__name__}: {e}"
     try:
         trainer = Trainer(model, args, train_dataset=train, eval_dataset=val if best else None,
                           callbacks=callbacks)
         out = trainer.train(resume_from_checkpoint=spec.get("resume"))
         trainer.save_model(os.path.join(spec["output_dir"], "final"))
         trainer.save_state()
-        result = {"global_step": out.global_step, "digest": state_digest(trainer.model.state_dict()),
+        result = {**result, "global_step": out.global_step, "digest": state_digest(trainer.model.state_dict()),
                   "logs": [h for h in trainer.state.log_history if "loss" in h],
                   "best_model_checkpoint": trainer.state.best_model_checkpoint,
                   "output_dir": sorted(os.listdir(spec["output_dir"])), "placement_groups": _placement_groups()}
     except Exception as e:  # noqa: BLE001 - the test asserts on it
-        result = {"error": f"{type(e).__name__}: {e}"}
+        result = {**result, "error": f"{type(e).__name__}: {e}"}
     with open(spec["result"], "w") as f:
         json.dump(result, f)
 

@@ -88,9 +88,9 @@ def test_the_session_cluster_is_read_from_its_monitor(ray_cluster):
 
 @pytest.mark.ray
 @pytest.mark.timeout(120)
-def test_the_cli_refuses_in_one_line_before_any_work(tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
-    env["PYTHONPATH"] = ROOT
+def test_the_cli_refuses_in_one_line_before_any_work(ray_cluster, tmp_path):
+    # on the session's cluster (RAY_ADDRESS, as under `ray job submit`): the refusal needs no cluster of its own
+    env = {**os.environ, "PYTHONPATH": ROOT, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
     out = subprocess.run([sys.executable, "-m", "raytrain.run", "--config", "examples/digits.yaml",
                           "--set", "scaling.num_workers=64", "--set", f"output_dir={tmp_path}/out"],
                          check=False, cwd=ROOT, env=env, capture_output=True, text=True, timeout=110)

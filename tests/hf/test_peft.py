@@ -15,6 +15,8 @@ from tests.tiny import kill_at_save
 from . import corpus, scripts
 
 peft = pytest.importorskip("peft")
+# One xdist worker runs the module, so that its module fixture (`runs`: two LoRA trainings) runs once.
+pytestmark = pytest.mark.xdist_group("peft")
 
 ADAPTER = {"adapter_config.json", "adapter_model.safetensors"}
 

@@ -253,4 +253,4 @@ def test_without_trl_the_import_names_the_package_in_one_line():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 1
     assert done.stderr.strip().splitlines()[-1] == (
-        "ImportError: raytrain.trl needs trl>=1.16 (trl is missing): pip install 'raytrain[trl]'")
+        "ImportError: raytrain.trl needs trl>=1.16,<1.17 (trl is missing): pip install 'raytrain[trl]'")

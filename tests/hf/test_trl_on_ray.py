@@ -29,22 +29,74 @@ BACKENDS = {"ddp": {"strategy": "ddp"},
             "zero3": {"strategy": "deepspeed", "deepspeed": {"zero_optimization": {"stage": 3}}}}
 
 
-@pytest.mark.timeout(300)
-@pytest.mark.parametrize("kind, backend", [("sft", "ddp"), ("sft", "fsdp2"), ("dpo", "zero3"), ("dpo-ref", "fsdp2")])
-def test_trl_script_on_two_workers_matches_trl_in_one_process(ray_cluster, tmp_path, kind, backend):
-    """dpo: LoRA (the reference is the adapter disabled); dpo-ref: full fine-tuning with a separate ref_model, which
-    the workers shard as the policy (Strategy.place_frozen, TRL's prepare_fsdp)."""
-    make, keys = (jobs.sft_trainer, jobs.STEP_KEYS) if kind == "sft" else (jobs.dpo_trainer, jobs.DPO_KEYS)
+def _make(kind: str):
+    """The script and the keys compared, for `kind`: sft, dpo (LoRA: the reference is the adapter disabled) or
+    dpo-ref (full fine-tuning with a separate ref_model, which the workers shard as the policy: Strategy.place_frozen,
+    TRL's prepare_fsdp)."""
+    if kind == "sft":
+        return jobs.sft_trainer, jobs.STEP_KEYS
     if kind == "dpo-ref":
-        make = functools.partial(jobs.dpo_trainer, peft=False, ref=True)
-    theirs = make("trl", str(tmp_path / "trl"), max_steps=3)
+        return functools.partial(jobs.dpo_trainer, peft=False, ref=True), jobs.DPO_KEYS
+    return jobs.dpo_trainer, jobs.DPO_KEYS
+
+
+def _ours(kind: str, backend: str, out):
+    make, _ = _make(kind)
+    return make("rt", str(out / "rt"), max_steps=3, per_device_train_batch_size=2, scaling={"num_workers": 2},
+                distributed=BACKENDS[backend], callbacks=[jobs.RankMarker(str(out / "ranks"))])
+
+
+def _theirs(kind: str, out) -> list[dict]:
+    make, keys = _make(kind)
+    theirs = make("trl", str(out / "trl"), max_steps=3)
     theirs.train()
-    ours = make("rt", str(tmp_path / "rt"), max_steps=3, per_device_train_batch_size=2,
-                scaling={"num_workers": 2}, distributed=BACKENDS[backend],
-                callbacks=[jobs.RankMarker(str(tmp_path / "ranks"))])
+    return jobs.steps(theirs, keys)
+
+
+@pytest.mark.timeout(300)
+def test_trl_script_on_two_workers_matches_trl_in_one_process(ray_cluster, tmp_path):
+    """SFT under DDP, launched as a Ray run is (Trainer.train on the driver): the driver's trainer ends with rank 0's
+    log history."""
+    ours = _ours("sft", "ddp", tmp_path)
     ours.train()
     assert sorted(os.listdir(tmp_path / "ranks")) == ["rank-0-of-2", "rank-1-of-2"]
-    _close(jobs.steps(ours, keys), jobs.steps(theirs, keys))
+    _close(jobs.steps(ours, jobs.STEP_KEYS), _theirs("sft", tmp_path))
+
+
+#: the other scripts and backends, in one worker group (a TorchTrainer start costs ~30 s here): ZeRO-3 first, as
+#: in test_grpo_backends_on_ray.py
+SHARED = {"dpo-zero3": ("dpo", "zero3"), "sft-fsdp2": ("sft", "fsdp2"), "dpo-ref-fsdp2": ("dpo-ref", "fsdp2")}
+
+
+@pytest.fixture(scope="module")
+def one_group(ray_cluster, tmp_path_factory):
+    """Each case's trainer built on the driver and pickled as a Ray run ships it, run by the workers' own function
+    (ray_worker.train_loop_per_worker) one after the other on one group of 2 workers; rank 0's log histories."""
+    import copy
+
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from raytrain.worker.ray_worker import pickle_trainer
+
+    root = tmp_path_factory.mktemp("trl_on_ray")
+    cases = {}
+    for name, (kind, backend) in SHARED.items():
+        trainer = _ours(kind, backend, root / name)
+        cases[name] = {"trainer": pickle_trainer(trainer, copy.deepcopy(trainer.args)), "resume_from_checkpoint": None,
+                       "run": name, "threads": None}
+    group = TorchTrainer(jobs.run_cases, train_loop_config={"cases": cases}, scaling_config=ScalingConfig(num_workers=2),
+                         run_config=RunConfig(name="trl_on_ray", storage_path=str(root / "ray")))
+    return root, group.fit().return_value
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("case", list(SHARED))
+def test_trl_scripts_under_fsdp2_and_zero3_on_two_workers_match_trl_in_one_process(one_group, tmp_path, case):
+    root, logs = one_group
+    kind, _ = SHARED[case]
+    assert sorted(os.listdir(root / case / "ranks")) == ["rank-0-of-2", "rank-1-of-2"]
+    _close(jobs.log_steps(logs[case], _make(kind)[1]), _theirs(kind, tmp_path))
 
 
 @pytest.mark.long  # two Ray runs: by default test_trl.py's in-process SIGKILL, driver/test_launch.py's Ray SIGKILL

@@ -4,14 +4,14 @@ process's maths with the same global batch (logged loss, tokens seen, evaluation
 compute_metrics); each rank holds only its stage's layers; a pp2 x dp2 checkpoint resumes under pp2 x dp2
 (bit for bit), pp4, dp4, 2x2 and one process, a dp4 checkpoint under pp2 x tp2, one process's under pp2 x
 dp2; every layout's final/ loads with from_pretrained; LoRA, activation checkpointing, gradient
-accumulation, batches of varying lengths, a Gemma (embeddings scaled) and tied embeddings on the pipeline; the refusals, one line each. One 4-process launch runs every 4-process layout."""
+accumulation, batches of varying lengths, a Gemma (embeddings scaled) and tied embeddings on the pipeline; the
+refusals, one line each. One 4-process launch runs every 4-process layout, and test_tp.py's (conftest.py)."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
-import socket
 
 import numpy as np
 import pytest
@@ -36,7 +36,8 @@ RESUMES = ("pp2xdp2", "pp4", "dp4", "2x2")  # from pp2xdp2's checkpoint-SAVE_AT
 STAGE_LAYERS = {"pp2xdp2": [(0, 1), (0, 1), (2, 3), (2, 3)], "pp4": [(0,), (1,), (2,), (3,)],
                 "interleaved": [(0, 2), (0, 2), (1, 3), (1, 3)]}
 
-pytestmark = pytest.mark.xdist_group("pp")
+# One xdist worker runs this module and test_tp.py, so their shared 4-process launch (gloo4) runs once.
+pytestmark = pytest.mark.xdist_group("gloo4")
 
 
 def tiny_llama(seed: int = 0, tied: bool = False):
@@ -104,13 +105,7 @@ def _losses(trainer) -> list[float]:
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _predict(trainer) -> dict:
+def predict(trainer) -> dict:
     out = trainer.predict(token_rows(12))
     return {"mean": float(np.mean(out.predictions)), "shape": list(out.predictions.shape),
             "labels": out.label_ids.tolist(), "loss": out.metrics["test_loss"]}
@@ -120,15 +115,16 @@ def _local_numel(model) -> int:
     return sum((p.to_local() if hasattr(p, "to_local") else p).numel() for p in model.parameters())
 
 
-def _rank(rank: int, world: int, root: str, port: int, single: str, runs: list) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
+def rank_runs(root: str, single: str, runs: list) -> dict:
+    """On each gloo process (tests/strategies/_gloo.py): `runs` ([(run, layout, resume from, extra args)]); this
+    rank's logged losses per run, and for a fresh run its parameter names and elements, tokens seen, evaluation
+    and predictions."""
     import torch.distributed as dist
 
     from raytrain import Trainer
     from raytrain.worker import loop
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    world = dist.get_world_size()
     out = {}
     for run, layout, resume, extra in runs:
         parallelism, per_device = LAYOUTS[layout]
@@ -152,53 +148,37 @@ def _rank(rank: int, world: int, root: str, port: int, single: str, runs: list) 
             out[f"{run}-tokens"] = trainer.state.num_input_tokens_seen
             metrics = trainer.evaluate(eval_dataset=token_rows(16))
             out[f"{run}-eval"] = {k: metrics[k] for k in ("eval_loss", "eval_accuracy")}
-            out[f"{run}-predict"] = _predict(trainer)
+            out[f"{run}-predict"] = predict(trainer)
             trainer.save_model(os.path.join(root, run, "final"))  # a collective, as at the end of raytrain.run
-    dist.destroy_process_group()
-    with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
-        json.dump(out, f)
+    return out
 
 
-def _launch(root, world: int, single: str, runs: list) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    mp.spawn(_rank, args=(world, str(root), _free_port(), single, runs), nprocs=world, join=True)
-    return [json.loads((root / f"rank{r}.json").read_text()) for r in range(world)]
+#: the 4-process runs: every layout fresh, the resumes across layouts, LoRA, Gemma, tied embeddings, activation
+#: checkpointing, gradient accumulation and batches of varying lengths on pp2 x dp2
+PIPELINE_RUNS = [(name, name, None, {}) for name in FRESH]
+PIPELINE_RUNS += [(f"resume-{name}", name, "pp2xdp2", {}) for name in RESUMES]
+PIPELINE_RUNS += [
+    ("back-pp2xtp2", "pp2xtp2", "dp4", {}), ("single-pp2xdp2", "pp2xdp2", "single", {}),
+    ("lora-pp2xdp2", "pp2xdp2", None, {}), ("gemma-pp2xdp2", "pp2xdp2", None, {}),
+    # tied embeddings: fresh, resumed on the same layout, and one process's checkpoint under pp4
+    ("tied-pp2xdp2", "pp2xdp2", None, {}), ("tied-resume-pp2xdp2", "pp2xdp2", "tied-pp2xdp2", {}),
+    ("tied-single-pp4", "pp4", "single-tied", {}),
+    ("ac-pp2xdp2", "pp2xdp2", None, {"activation_checkpointing": True}),
+    ("ga-pp2xdp2", "pp2xdp2", None, {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}),
+    ("pad-pp2xdp2", "pp2xdp2", None, {})]
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
+def one_process(pp_one_process):
     """The reference: one process, the same global batch (and its checkpoint-SAVE_AT, for pp2 x tp2)."""
-    from raytrain import Trainer
-
-    root = tmp_path_factory.mktemp("pp1")
-    out = {}
-    for name, model in (("single", tiny_llama()), ("lora", tiny_lora()), ("gemma", tiny_gemma()),
-                        ("single-tied", tiny_llama(tied=True))):
-        trainer = Trainer(model, lm_args(str(root / name)), train_dataset=token_rows(), compute_metrics=token_accuracy)
-        trainer.train()
-        out[name] = trainer
-    out["pad"] = Trainer(tiny_llama(), lm_args(str(root / "pad")), train_dataset=padded_rows(), data_collator=trim)
-    out["pad"].train()
-    out["eval"] = out["single"].evaluate(eval_dataset=token_rows(16))
-    out["predict"] = _predict(out["single"])
-    return root, out
+    return pp_one_process
 
 
 @pytest.fixture(scope="module")
-def pipelines(tmp_path_factory, one_process):
-    root = tmp_path_factory.mktemp("pp")
-    runs = [(name, name, None, {}) for name in FRESH]
-    runs += [(f"resume-{name}", name, "pp2xdp2", {}) for name in RESUMES]
-    runs += [("back-pp2xtp2", "pp2xtp2", "dp4", {}), ("single-pp2xdp2", "pp2xdp2", "single", {}),
-             ("lora-pp2xdp2", "pp2xdp2", None, {}), ("gemma-pp2xdp2", "pp2xdp2", None, {}),
-             # tied embeddings: fresh, resumed on the same layout, and one process's checkpoint under pp4
-             ("tied-pp2xdp2", "pp2xdp2", None, {}), ("tied-resume-pp2xdp2", "pp2xdp2", "tied-pp2xdp2", {}),
-             ("tied-single-pp4", "pp4", "single-tied", {}),
-             ("ac-pp2xdp2", "pp2xdp2", None, {"activation_checkpointing": True}),
-             ("ga-pp2xdp2", "pp2xdp2", None, {"per_device_train_batch_size": 2, "gradient_accumulation_steps": 2}),
-             ("pad-pp2xdp2", "pp2xdp2", None, {})]
-    return root, _launch(root, 4, str(one_process[0]), runs)
+def pipelines(gloo4):
+    """PIPELINE_RUNS on the 4 processes that test_tp.py's layouts share (conftest.py's gloo4)."""
+    root, per_rank = gloo4
+    return root / "pp", [results["pp"] for results in per_rank]
 
 
 def _check_run(results: dict, name: str, ref: list[float], single, one) -> None:
@@ -308,7 +288,10 @@ def test_tied_embeddings_live_on_the_first_and_last_stages_and_resume_on_any_lay
 
 @pytest.mark.timeout(600)
 def test_pp2_dp2_tp2_on_8_processes_matches_one_process(tmp_path, one_process):
-    per_rank = _launch(tmp_path, 8, str(one_process[0]), [("3d", "3d", None, {})])
+    from tests.strategies._gloo import launch
+
+    per_rank = [r["pp"] for r in launch(tmp_path, 8, {"pp": ("tests.strategies.test_pp:rank_runs", {
+        "root": str(tmp_path), "single": str(one_process[0]), "runs": [("3d", "3d", None, {})]})})]
     single, one = one_process[1]["single"], one_process[1]
     for results in per_rank:
         _check_run(results, "3d", _losses(single), single, one)

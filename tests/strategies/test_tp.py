@@ -1,13 +1,13 @@
 """Tensor and 2-D parallelism (parallelism_config) on 4 gloo processes, a tiny Llama from a config: 2x2
 (FSDP2 x TP), dp4 and tp4 do one process's maths with the same global batch; a checkpoint written under
 2x2 resumes under 2x2 (bit for bit), dp4, tp4 and one process; every layout's checkpoint loads with
-from_pretrained; wrong layouts are refused in one line. One 4-process launch runs every layout."""
+from_pretrained; wrong layouts are refused in one line. One 4-process launch runs every layout, and
+test_pp.py's (conftest.py)."""
 
 from __future__ import annotations
 
 import json
 import os
-import socket
 
 import numpy as np
 import pytest
@@ -25,8 +25,8 @@ LAYOUTS = {  # name -> (parallelism_config, per-device batch); 4 processes each
 RESUMES = ("2x2", "dp4", "tp4")  # from 2x2's checkpoint-SAVE_AT
 BACK = ("dp4", "tp4", "single")  # 2x2 resumes from these layouts' checkpoint-SAVE_AT
 
-# One xdist worker runs the module, so its 4-process launch (the `layouts` fixture) runs once.
-pytestmark = pytest.mark.xdist_group("tp")
+# One xdist worker runs this module and test_pp.py, so their shared 4-process launch (gloo4) runs once.
+pytestmark = pytest.mark.xdist_group("gloo4")
 
 
 def tiny_llama(seed: int = 0):
@@ -85,21 +85,12 @@ def _losses(trainer) -> list[float]:
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank(rank: int, root: str, port: int, single: str) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="4", LOCAL_WORLD_SIZE="4")
-    torch.set_num_threads(1)
-    import torch.distributed as dist
-
+def rank_runs(root: str, single: str) -> dict:
+    """On each of 4 gloo processes (tests/strategies/_gloo.py): every layout, the resumes across layouts, LoRA and
+    the MLP's tp_plan by name; this rank's logged losses (and tokens seen, evaluation) per run."""
     from raytrain import Trainer
     from raytrain.worker import loop
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
     runs = [(name, name, None) for name in LAYOUTS]
     first = os.path.join(root, "2x2", f"checkpoint-{SAVE_AT}")
     runs += [(f"resume-{name}", name, first) for name in RESUMES]
@@ -120,34 +111,20 @@ def _rank(rank: int, root: str, port: int, single: str) -> None:
     trainer = mlp_run(os.path.join(root, "mlp-tp4"), workers=4)
     loop.train(trainer, None)
     out["mlp-tp4"] = _losses(trainer)
-    dist.destroy_process_group()
-    with open(os.path.join(root, f"rank{rank}.json"), "w") as f:
-        json.dump(out, f)
+    return out
 
 
 @pytest.fixture(scope="module")
-def layouts(tmp_path_factory, one_process):
-    import torch.multiprocessing as mp
-
-    root = tmp_path_factory.mktemp("tp")
-    mp.spawn(_rank, args=(str(root), _free_port(), str(one_process[0] / "single")), nprocs=4, join=True)
-    return root, [json.loads((root / f"rank{r}.json").read_text()) for r in range(4)]
+def layouts(gloo4):
+    """rank_runs on the 4 processes that test_pp.py's pipelines share (conftest.py's gloo4)."""
+    root, per_rank = gloo4
+    return root / "tp", [results["tp"] for results in per_rank]
 
 
 @pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
+def one_process(tp_one_process):
     """The reference: one process, the same global batch; and the 2x2 checkpoint resumed in one process."""
-    from raytrain import Trainer
-
-    root = tmp_path_factory.mktemp("tp1")
-    trainer = Trainer(tiny_llama(), lm_args(str(root / "single")), train_dataset=token_rows())
-    trainer.train()
-    lora = Trainer(tiny_lora(), lm_args(str(root / "lora")), train_dataset=token_rows())
-    lora.train()
-    trainer.lora = lora
-    trainer.mlp = mlp_run(str(root / "mlp"))
-    trainer.mlp.train()
-    return root, trainer
+    return tp_one_process
 
 
 @pytest.mark.timeout(400)

@@ -353,19 +353,22 @@ def test_the_docs_python_sweep_runs(ray_cluster, tmp_path, monkeypatch, capsys):
 
 
 @pytest.mark.timeout(300)
-def test_cli_search_resumes_by_name(ray_cluster, tmp_path):
+def test_cli_search_resumes_by_name(ray_cluster, tmp_path, capsys, monkeypatch):
     import subprocess
     import sys
 
     import shlex
+
+    from raytrain.run import main
 
     env = {**os.environ, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     # The docs' sweep command (docs/snippets/sweep.sh, search_spaces/digits.yaml), 2 of its 8 trials.
     with open(os.path.join(root, "docs", "snippets", "sweep.sh")) as f:
         [shown] = [line for line in f.read().splitlines() if line.startswith("python -m raytrain.run")]
-    cmd = [sys.executable] + shlex.split(shown)[1:] + [
+    argv = shlex.split(shown)[3:] + [
         "--set", f"output_dir={tmp_path / 'out'}", "--set", "search.num_samples=2"]  # the CLI's override of the search YAML
+    cmd = [sys.executable, "-m", "raytrain.run", *argv]
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-2000:]
     [line] = [ln for ln in proc.stdout.splitlines() if "best trial" in ln]  # printed once
@@ -374,6 +377,8 @@ def test_cli_search_resumes_by_name(ray_cluster, tmp_path):
     table = pd.read_csv(tmp_path / "out" / "sweeps" / "digits" / "trials.csv")
     assert len(table) == 2
     # Continuing a finished sweep (what --resume auto calls) is test_tune_restore's cloud test, in-process.
-    never = subprocess.run(cmd + ["--resume", "never"], cwd=root, env=env, capture_output=True, text=True,
-                           timeout=120)
-    assert never.returncode == 2 and "already holds a sweep" in never.stderr
+    # --resume never refuses before any work: the CLI's main in this process (a second subprocess costs seconds)
+    monkeypatch.chdir(root)
+    capsys.readouterr()
+    assert main([*argv, "--resume", "never"]) == 2
+    assert "already holds a sweep" in capsys.readouterr().err

@@ -8,13 +8,16 @@ import dataclasses
 import warnings
 from typing import Any
 
+from ...deps import SUPPORTED
+
 try:
     import trl
     from trl import DPOConfig as _DPOConfig, GRPOConfig as _GRPOConfig, RLOOConfig as _RLOOConfig, \
         SFTConfig as _SFTConfig
     from trl.experimental.async_grpo.async_grpo_config import AsyncGRPOConfig as _AsyncGRPOConfig
-except ImportError as e:  # one line naming the package to install
-    raise ImportError(f"raytrain.trl needs trl>=1.16 ({e.name} is missing): pip install 'raytrain[trl]'") from None
+except ImportError as e:  # one line naming the package to install (another version: refused in __init__.py)
+    low, high, hint = SUPPORTED["trl"]
+    raise ImportError(f"raytrain.trl needs trl>={low},<{high} ({e.name} is missing): {hint}") from None
 
 TRL_VERSION = trl.__version__
 
