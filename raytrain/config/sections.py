@@ -173,6 +173,10 @@ class RolloutConfig(StrictModel):
                                        "GPU when it has one)")
     resources_per_worker: dict[str, float] | None = Field(
         None, description="other Ray resources each rollout actor needs, e.g. a node type's custom resource")
+    groups_per_call: int | None = Field(
+        None, ge=1, description="prompt groups generated together in one generate() call (one actor's task); none: "
+                                "a step's groups. Fixed, not sized to the actors, so the completions do not "
+                                "depend on how many there are; smaller spreads a step over more actors")
 
 
 class DistributedConfig(StrictModel):

@@ -1,10 +1,11 @@
 """A run's rollout workers on Ray: actors named raytrain-rollout-<i> (in `ray list actors`), each holding one
-engine (hf/trl/engine.py: generate and score a prompt group), fed by a dispatcher thread in the process that trains
-(rank 0). Groups go out in submission order to whichever actor is free, with the object-store reference of the
-policy version that must generate them; an actor loads those weights when it holds another version. A group whose
-actor dies (or stays silent past heartbeat_stale_after_s, then restarted) is generated again on another actor,
-from the same seed; Ray restarts a dead actor (max_restarts=-1) wherever there is room, so a pool on spot or
-autoscaling nodes grows back when capacity returns. None of this changes a group's content, only when it is ready."""
+engine (hf/trl/engine.py: generate and score prompt groups), fed by a dispatcher thread in the process that trains
+(rank 0). Bundles of groups (fixed by the schedule) go out in submission order to the free actor used least
+recently (an idle one that died is found when its turn comes), with the object-store reference of the policy
+version that must generate them; an actor loads those weights when it holds another version. A group whose actor
+dies (or stays silent past heartbeat_stale_after_s, then restarted) is generated again on another actor, from the
+same seed; Ray restarts a dead actor (max_restarts=-1) wherever there is room, so a pool on spot or autoscaling
+nodes grows back when capacity returns. None of this changes a group's content, only when it is ready."""
 
 from __future__ import annotations
 
@@ -21,24 +22,32 @@ _DEPTH = 2  # groups queued on an actor: the next one starts as soon as one ends
 
 
 class RolloutActor:
-    """One rollout worker: an engine made from the pool's factory at its first group (the factory travels by
-    reference with every group, so an actor Ray restarts builds it again), the policy version it holds."""
+    """One rollout worker: an engine made from the pool's factory (by reference: an actor Ray restarts builds it
+    again), the policy version it holds."""
 
     def __init__(self, name: str):
         self.name, self.engine = name, None
 
-    def rollout(self, request: Any, weights: list, factory: list) -> Any:
+    def ready(self, factory: list) -> int:
+        """The engine built (the pool's ping: an actor counts as up, and its heartbeat runs, from then on)."""
         import ray
 
         if self.engine is None:
             self.engine = ray.get(factory[0])()
             if ray.get_gpu_ids():
                 self.engine.model.to("cuda")
-        if self.engine.version != request.version:
-            self.engine.set_weights(request.version, ray.get(weights[0]))
-        group = self.engine.rollout(request)
-        group.worker = self.name
-        return group
+        return os.getpid()
+
+    def rollout(self, requests: list, weights: list, factory: list) -> list:
+        import ray
+
+        self.ready(factory)
+        if self.engine.version != requests[0].version:
+            self.engine.set_weights(requests[0].version, ray.get(weights[0]))
+        groups = self.engine.rollout(requests)
+        for group in groups:
+            group.worker = self.name
+        return groups
 
     def pid(self) -> int:
         return os.getpid()
@@ -60,9 +69,10 @@ class RayRolloutPool:
         self.names = [_name(name, i) for i in range(config.num_workers)]
         self.actors = [self._start(n, config) for n in self.names]
         self.versions: dict[int, Any] = {}
-        self.queue: list[tuple[int, Any]] = []  # (group, request), in group order
-        self.inflight: dict[Any, tuple[int, Any]] = {}  # ref -> (actor, request)
+        self.queue: list[tuple[int, list]] = []  # (first group, requests generated together), in group order
+        self.inflight: dict[Any, tuple[int, list]] = {}  # ref -> (actor, requests)
         self.busy_since: dict[int, float] = {}
+        self.used: dict[int, float] = {}  # actor -> when it was last given a bundle (the work goes round)
         self.down: dict[int, Any] = dict.fromkeys(range(len(self.actors)))  # actor -> its ping; up once it answers
         self.results: dict[int, Any] = {}
         self.error: BaseException | None = None
@@ -97,10 +107,10 @@ class RayRolloutPool:
             for old in [v for v in self.versions if v <= version - self.keep]:
                 del self.versions[old]
 
-    def submit(self, request: Any) -> None:
+    def submit(self, requests: list) -> None:
         """Queued in group order and sent at once to a free actor (from the caller's thread: no poll delay)."""
         with self._cond:
-            bisect.insort(self.queue, (request.group, request), key=lambda item: item[0])
+            bisect.insort(self.queue, (requests[0].group, requests), key=lambda item: item[0])
             self._dispatch()
             self._cond.notify_all()
 
@@ -122,11 +132,16 @@ class RayRolloutPool:
                                self._where(group))
             return self.results.pop(group)
 
+    def discard(self, groups: set[int]) -> None:
+        with self._cond:
+            for group in groups:
+                self.results.pop(group, None)
+
     def _where(self, group: int) -> str:
         import ray
 
-        for actor, request in self.inflight.values():
-            if request.group == group:
+        for actor, requests in self.inflight.values():
+            if any(r.group == group for r in requests):
                 return f"on {self.names[actor]}"
         alive = len(self.actors) - len(self.down)
         where = f"queued; {alive} of {len(self.actors)} rollout actors up"
@@ -190,13 +205,15 @@ class RayRolloutPool:
                 load[actor] += 1
         while self.queue:
             free = [i for i, n in load.items() if n < _DEPTH]
-            group, request = self.queue[0]
-            if not free or request.version not in self.versions:
+            _, requests = self.queue[0]
+            version = requests[0].version
+            if not free or version not in self.versions:
                 return
-            actor = min(free, key=lambda i: (load[i], i))
+            actor = min(free, key=lambda i: (load[i], self.used.get(i, 0.0), i))  # the least recently used
+            self.used[actor] = time.monotonic()
             self.queue.pop(0)
-            ref = self.actors[actor].rollout.remote(request, [self.versions[request.version]], [self._factory])
-            self.inflight[ref] = (actor, request)
+            ref = self.actors[actor].rollout.remote(requests, [self.versions[version]], [self._factory])
+            self.inflight[ref] = (actor, requests)
             if load[actor] == 0:
                 self.busy_since[actor] = time.monotonic()
             load[actor] += 1
@@ -205,18 +222,19 @@ class RayRolloutPool:
         import ray
         from ray.exceptions import ActorUnavailableError, RayActorError
 
-        actor, request = self.inflight.pop(ref)
+        actor, requests = self.inflight.pop(ref)
         try:
-            group = ray.get(ref)
+            groups = ray.get(ref)
         except (RayActorError, ActorUnavailableError) as e:
             self._lost(actor, f"{type(e).__name__}")
-            bisect.insort(self.queue, (request.group, request), key=lambda item: item[0])
+            bisect.insort(self.queue, (requests[0].group, requests), key=lambda item: item[0])
             return
         except Exception as e:  # the engine's own error (a reward function that raised): the run's
             self.error = getattr(e, "cause", None) or e
             self._cond.notify_all()
             return
-        self.results[group.group] = group
+        for group in groups:
+            self.results[group.group] = group
         self.busy_since[actor] = time.monotonic()
         self._cond.notify_all()
 
@@ -224,14 +242,14 @@ class RayRolloutPool:
         """Actor `actor` is gone (or silenced): its queued groups go back to the pool, in order; it is used again
         once it answers a ping (Ray restarts it)."""
         if actor not in self.down:
-            again = sorted(r.group for a, r in self.inflight.values() if a == actor)
+            again = sorted(r.group for a, rs in self.inflight.values() if a == actor for r in rs)
             logger.warning("rollout actor %s lost (%s): Ray restarts it; its groups are generated again elsewhere",
                            self.names[actor], why)
             self.restarts += 1
             self.down[actor] = None
             for ref in [r for r, (a, _) in self.inflight.items() if a == actor]:
-                _, request = self.inflight.pop(ref)
-                bisect.insort(self.queue, (request.group, request), key=lambda item: item[0])
+                _, requests = self.inflight.pop(ref)
+                bisect.insort(self.queue, (requests[0].group, requests), key=lambda item: item[0])
             if again:
                 logger.info("groups %s of %s queued again", again, self.names[actor])
 
@@ -255,7 +273,7 @@ class RayRolloutPool:
         with self._cond:
             for actor, ping in list(self.down.items()):
                 if ping is None:
-                    self.down[actor] = self.actors[actor].pid.remote()
+                    self.down[actor] = self.actors[actor].ready.remote([self._factory])
                 elif ready is not None and ping in ready:
                     try:
                         ray.get(ping)

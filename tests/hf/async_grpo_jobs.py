@@ -16,12 +16,12 @@ RUN = dict(max_steps=10, per_device_train_batch_size=4, gradient_accumulation_st
 
 def low_ids(completion_ids, slow_once: str | None = None, **kwargs) -> list[float]:
     """The fraction of a completion's tokens below 128 (the byte tokenizer's ASCII). `slow_once`: a flag file; the
-    first call that finds it missing makes it, then hangs for a minute (a rollout actor gone silent)."""
+    first call that finds it missing makes it, then hangs for 2 minutes (a rollout actor gone silent)."""
     import os
 
     if slow_once is not None and not os.path.exists(slow_once):
         open(slow_once, "w").close()
-        time.sleep(60)
+        time.sleep(120)
     return [sum(1 for t in ids if t < 128) / max(len(ids), 1) for ids in completion_ids]
 
 
@@ -39,7 +39,8 @@ class Timed(TrainerCallback):
 
 
 class KillActor(TrainerCallback):
-    """SIGKILLs rollout actor `index` (its process) at the end of step `step`, while it holds the next groups."""
+    """SIGKILLs rollout actor `index` (its process) at the end of step `step` (the work goes round the actors: its
+    next turn finds it dead, or it dies holding groups)."""
 
     def __init__(self, trainer, step: int, index: int = 1):
         self.trainer, self.step, self.index, self.killed = trainer, step, index, None

@@ -39,6 +39,44 @@ def test_the_schedule_fixes_version_staleness_and_seed_by_the_step():
     assert s.last_ready_step(-1, 100) == 0
 
 
+def test_groups_per_call_bundles_each_steps_groups_in_order():
+    from types import SimpleNamespace
+
+    from raytrain.hf.trl.rollouts import ScheduledRollouts
+    from raytrain.hf.trl.schedule import Schedule
+
+    class Recording:
+        def __init__(self):
+            self.calls, self.done = [], {}
+
+        def publish(self, version, weights):
+            pass
+
+        def submit(self, requests):
+            self.calls.append([(r.group, r.version) for r in requests])
+            for r in requests:
+                self.done[r.group] = SimpleNamespace(group=r.group, worker="w", started=0.0, finished=0.0)
+
+        def result(self, group):
+            return self.done.pop(group)
+
+        def discard(self, groups):
+            for g in groups:
+                self.done.pop(g, None)
+
+    pool = Recording()
+    rollouts = ScheduledRollouts(Schedule(seed=1, num_prompts=4, groups_per_step=3, max_staleness=1), pool,
+                                 rows=[{"prompt": str(i)} for i in range(4)], max_steps=3, max_ahead_groups=6,
+                                 per_call=2)
+    rollouts.publish(0, {})
+    assert [g.group for g in rollouts.take(1)] == [0, 1, 2]
+    # a step's groups in calls of at most 2, never mixing steps (nor versions): steps 1 and 2 from version 0
+    assert pool.calls == [[(0, 0), (1, 0)], [(2, 0)], [(3, 0), (4, 0)], [(5, 0)]]
+    rollouts.publish(1, {})
+    assert [g.group for g in rollouts.take(2)] == [3, 4, 5]
+    assert pool.calls[4:] == [[(6, 1), (7, 1)], [(8, 1)]]
+
+
 def test_a_local_run_logs_trls_keys_its_staleness_and_a_rising_reward(reference):
     logs = reference["steps"]
     assert [e["step"] for e in logs] == list(range(1, 11))
@@ -87,6 +125,7 @@ def test_evaluation_is_the_same_twice_and_on_any_pool(reference, tmp_path):
     ({"weight_sync_steps": 0}, "weight_sync_steps: must be >= 1"),
     ({"rollout": {"num_workers": -1}}, "rollout.num_workers: must be >= 0"),
     ({"rollout": {"workers": 2}}, "unknown field"),
+    ({"rollout": {"groups_per_call": 0}}, "rollout.groups_per_call: must be >= 1"),
     ({"scaling": {"num_workers": [1, 2]}}, "scaling.num_workers: an elastic group is not supported"),
     ({"parallelism_config": {"tp_size": 2}, "scaling": {"num_workers": 2}}, "parallelism_config.tp_size"),
     ({"parallelism_config": {"pp_size": 2}, "scaling": {"num_workers": 2}}, "parallelism_config.pp_size"),

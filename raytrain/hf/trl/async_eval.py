@@ -44,10 +44,12 @@ class AsyncEvalMethods:
         version = -1 - done  # apart from training's versions
         pool = self._rollouts.pool if isinstance(self._rollouts, ScheduledRollouts) else self._eval_pool()
         pool.publish(version, weights)
-        for i in range(len(dataset)):
-            pool.submit(GroupRequest(group=-1 - i, step=done + 1, prompt_index=i, version=version,
-                                     seed=schedule.eval_seed(i, done), row=dict(dataset[i])))
-        return [pool.result(-1 - i) for i in range(len(dataset))]
+        requests = [GroupRequest(group=-1 - i, step=done + 1, prompt_index=i, version=version,
+                                 seed=schedule.eval_seed(i, done), row=dict(dataset[i])) for i in range(len(dataset))]
+        per_call = self._per_call()
+        for i in range(0, len(requests), per_call):
+            pool.submit(requests[i:i + per_call])
+        return [pool.result(r.group) for r in requests]
 
     def _eval_pool(self) -> LocalPool:
         if self._engine_model is None:

@@ -298,13 +298,18 @@ class AsyncGRPOMethods(AsyncLossMethods, AsyncEvalMethods, TRLMethods):
             pool = self._pool_class(engine, args.rollout, heartbeat_s=args.heartbeat_stale_after_s,
                                     name=self.trial_name, keep=args.max_staleness + 2)
         ahead = max(args.max_inflight_tasks, self._samples_per_step()) // args.num_generations
-        self._rollouts = ScheduledRollouts(self._schedule(), pool, self.train_dataset, args.max_steps, ahead)
+        self._rollouts = ScheduledRollouts(self._schedule(), pool, self.train_dataset, args.max_steps, ahead,
+                                           self._per_call())
         if self._saved_rollouts is not None:
             self._rollouts.load_state_dict(self._saved_rollouts)
         elif self.state.global_step > 0:
             self._rollouts.restart_without_state(self.state.global_step, self._publish_now)
         self._saved_rollouts = None
         return self._rollouts
+
+    def _per_call(self) -> int:
+        """Groups generated together: rollout.groups_per_call, else a step's groups."""
+        return self.args.rollout.groups_per_call or self._schedule().groups_per_step
 
     def _engine_factory(self) -> Callable[[], TransformersEngine]:
         """What makes a TransformersEngine over the kept copy of the model, with the run's sampling settings (sent

@@ -58,11 +58,11 @@ class ScoredGroup:
 
 
 class RolloutEngine(Protocol):
-    """What a rollout worker runs: a policy that can be replaced, and one group generated and scored at a time."""
+    """What a rollout worker runs: a policy that can be replaced, and groups generated and scored together."""
 
     def set_weights(self, version: int, weights: dict[str, torch.Tensor]) -> None: ...
 
-    def rollout(self, request: GroupRequest) -> ScoredGroup: ...
+    def rollout(self, requests: list[GroupRequest]) -> list[ScoredGroup]: ...
 
 
 @dataclass(frozen=True)
@@ -100,18 +100,24 @@ class TransformersEngine:
         self.model.load_state_dict(weights, strict=False)
         self.version = version
 
-    def rollout(self, request: GroupRequest) -> ScoredGroup:
+    def rollout(self, requests: list[GroupRequest]) -> list[ScoredGroup]:
+        """The groups generated together (one generate() call: the schedule fixes which groups go together, so
+        the arithmetic does too), each sampled from its own seed, then scored group by group."""
         started = time.time()
         with _threads(self.sampling.threads):
-            prompt_ids = self._prompt_ids(request.row["prompt"])
-            completion_ids, logprobs, truncated = self._sample(prompt_ids, request.seed)
-        completions = self._decode(request.row["prompt"], completion_ids)
-        rewards = self._rewards(request, completions, completion_ids)
-        return ScoredGroup(group=request.group, step=request.step, prompt_index=request.prompt_index,
-                           version=request.version, prompt=request.row["prompt"], prompt_ids=prompt_ids,
-                           completions=completions, completion_ids=completion_ids, logprobs=logprobs,
-                           rewards=rewards, advantages=advantages(rewards), truncated=truncated, started=started,
-                           finished=time.time())
+            prompts = [self._prompt_ids(r.row["prompt"]) for r in requests]
+            sampled = self._sample(prompts, [r.seed for r in requests])
+        out, g = [], self.sampling.num_generations
+        for i, (request, prompt_ids) in enumerate(zip(requests, prompts)):
+            completion_ids, logprobs, truncated = (part[i * g:(i + 1) * g] for part in sampled)
+            completions = self._decode(request.row["prompt"], completion_ids)
+            rewards = self._rewards(request, completions, completion_ids)
+            out.append(ScoredGroup(group=request.group, step=request.step, prompt_index=request.prompt_index,
+                                   version=request.version, prompt=request.row["prompt"], prompt_ids=prompt_ids,
+                                   completions=completions, completion_ids=completion_ids, logprobs=logprobs,
+                                   rewards=rewards, advantages=advantages(rewards), truncated=truncated,
+                                   started=started, finished=time.time()))
+        return out
 
     def _prompt_ids(self, prompt: Any) -> list[int]:
         """TRL's tokenization: a conversation through the chat template (generation prompt added), text as it is."""
@@ -123,24 +129,23 @@ class TransformersEngine:
         return list(self.tokenizer(text=prompt)["input_ids"])
 
     @torch.no_grad()
-    def _sample(self, prompt_ids: list[int], seed: int) -> tuple[list[list[int]], list[list[float]], list[bool]]:
-        """num_generations completions of one prompt in one batch (no padding: the rows are alike), drawn from
-        torch's RNG seeded by the group's seed; the behaviour log-probabilities from the logits it sampled from."""
-        s = self.sampling
-        ids = torch.tensor([prompt_ids] * s.num_generations)
-        kwargs = {"do_sample": True, "temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k,
-                  "repetition_penalty": s.repetition_penalty, "max_new_tokens": s.max_completion_length,
-                  "eos_token_id": self.eos_token_ids, "pad_token_id": self.tokenizer.pad_token_id,
-                  "output_logits": True, "return_dict_in_generate": True}
-        if s.min_p is not None:
-            kwargs["min_p"] = s.min_p
+    def _sample(self, prompts: list[list[int]], seeds: list[int]):
+        """num_generations completions of each prompt, left-padded into one batch; each group's tokens drawn by
+        GroupSampler from its own generator (HF's warpers first); the behaviour log-probabilities from the logits
+        they were sampled from, at the sampling temperature. (completion ids, log-probs, truncated) per row."""
+        s, g = self.sampling, self.sampling.num_generations
+        width = max(len(p) for p in prompts)
+        pad = self.tokenizer.pad_token_id
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts for _ in range(g)])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts for _ in range(g)])
         device = next(self.model.parameters()).device
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):  # the caller's RNG untouched
-            torch.manual_seed(seed)
-            out = self.model.generate(input_ids=ids.to(device), attention_mask=torch.ones_like(ids).to(device),
-                                      **kwargs)
-        tokens = out.sequences[:, ids.size(1):].cpu()
-        logits = torch.stack(out.logits, dim=1).float().cpu()  # [G, T, vocab], as sampled (before warping)
+        out = self.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), do_sample=False,
+                                  logits_processor=[GroupSampler(seeds, g, s)], repetition_penalty=s.repetition_penalty,
+                                  max_new_tokens=s.max_completion_length, eos_token_id=self.eos_token_ids,
+                                  pad_token_id=pad, output_logits=True, return_dict_in_generate=True,
+                                  temperature=None, top_k=None, top_p=None)
+        tokens = out.sequences[:, width:].cpu()
+        logits = torch.stack(out.logits, dim=1).float().cpu()  # [rows, T, vocab], before any processor
         logps = torch.log_softmax(logits / s.temperature, dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
         completion_ids, logprobs, truncated = [], [], []
         for row, lp in zip(tokens.tolist(), logps.tolist()):
@@ -179,6 +184,35 @@ class TransformersEngine:
                                   f"(group {request.group}, prompt {request.prompt_index})") from e
             out.append(_checked(name, values, n))
         return out
+
+
+class GroupSampler:
+    """A logits processor that samples each group's next tokens from the group's own torch generator (seeded by
+    its seed), after HF's temperature / top-k / top-p / min-p warpers, and leaves only that token: greedy decoding
+    then takes it. So a group's completions depend on its seed, not on torch's global RNG."""
+
+    def __init__(self, seeds: list[int], rows_per_group: int, sampling: Sampling):
+        from transformers import (LogitsProcessorList, MinPLogitsWarper, TemperatureLogitsWarper, TopKLogitsWarper,
+                                  TopPLogitsWarper)
+
+        self.generators = [torch.Generator().manual_seed(seed) for seed in seeds]
+        self.rows = rows_per_group
+        warpers = LogitsProcessorList()
+        if sampling.temperature != 1.0:
+            warpers.append(TemperatureLogitsWarper(sampling.temperature))
+        if sampling.top_k:
+            warpers.append(TopKLogitsWarper(sampling.top_k))
+        if sampling.top_p < 1.0:
+            warpers.append(TopPLogitsWarper(sampling.top_p))
+        if sampling.min_p is not None:
+            warpers.append(MinPLogitsWarper(sampling.min_p))
+        self.warpers = warpers
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.warpers(input_ids, scores).float(), dim=-1).cpu()
+        chosen = torch.cat([torch.multinomial(probs[i * self.rows:(i + 1) * self.rows], 1, generator=gen)
+                            for i, gen in enumerate(self.generators)]).to(scores.device)
+        return torch.full_like(scores, float("-inf")).scatter_(1, chosen, 0.0)
 
 
 class RewardError(ValueError):

@@ -24,13 +24,16 @@ logger = logging.getLogger(__name__)
 
 
 class Pool(Protocol):
-    """Engines that generate groups: weights published by version, groups submitted, results taken by group."""
+    """Engines that generate groups: weights published by version, groups submitted together (one engine call,
+    all of one version), results taken by group."""
 
     def publish(self, version: int, weights: dict[str, torch.Tensor]) -> None: ...
 
-    def submit(self, request: GroupRequest) -> None: ...
+    def submit(self, requests: list[GroupRequest]) -> None: ...
 
     def result(self, group: int) -> ScoredGroup: ...
+
+    def discard(self, groups: set[int]) -> None: ...
 
     def stop(self) -> None: ...
 
@@ -47,15 +50,20 @@ class LocalPool:
         for old in [v for v in self.weights if v <= version - self.keep]:
             del self.weights[old]
 
-    def submit(self, request: GroupRequest) -> None:
-        if getattr(self.engine, "version", None) != request.version:
-            self.engine.set_weights(request.version, self.weights[request.version])
-        group = self.engine.rollout(request)
-        group.worker = "local"
-        self.done[request.group] = group
+    def submit(self, requests: list[GroupRequest]) -> None:
+        version = requests[0].version
+        if getattr(self.engine, "version", None) != version:
+            self.engine.set_weights(version, self.weights[version])
+        for group in self.engine.rollout(requests):
+            group.worker = "local"
+            self.done[group.group] = group
 
     def result(self, group: int) -> ScoredGroup:
         return self.done.pop(group)
+
+    def discard(self, groups: set[int]) -> None:
+        for group in groups:
+            self.done.pop(group, None)
 
     def stop(self) -> None:
         self.done.clear()
@@ -65,9 +73,10 @@ class ScheduledRollouts:
     """The schedule driven over a pool. `rows(i)`: the dataset's row i; `max_steps`: the run's length; flow control
     (`max_ahead_groups`: groups submitted and not yet trained on) only delays submissions beyond the next step."""
 
-    def __init__(self, schedule: Schedule, pool: Pool, rows: Any, max_steps: int, max_ahead_groups: int):
+    def __init__(self, schedule: Schedule, pool: Pool, rows: Any, max_steps: int, max_ahead_groups: int,
+                 per_call: int):
         self.schedule, self.pool, self.rows, self.max_steps = schedule, pool, rows, max_steps
-        self.max_ahead_groups = max_ahead_groups
+        self.max_ahead_groups, self.per_call = max_ahead_groups, per_call
         self.published = -1
         self.submitted = 0  # every group of steps 1..submitted is submitted (or finished, in `ready`)
         self.taken = 0  # steps 1..taken were handed to the trainer
@@ -96,9 +105,11 @@ class ScheduledRollouts:
             ahead = max(0, self.submitted - upto + 1) * per_step  # submitted for steps upto.. (not trained yet)
             if step > upto and not force and ahead + per_step > self.max_ahead_groups:
                 return
-            for group in self.schedule.groups(step):
-                if group not in self.ready:
-                    self.pool.submit(self.request(group))
+            groups = list(self.schedule.groups(step))
+            for i in range(0, len(groups), self.per_call):  # fixed bundles of the step's groups
+                bundle = groups[i:i + self.per_call]
+                if any(g not in self.ready for g in bundle):
+                    self.pool.submit([self.request(g) for g in bundle])
             self.submitted = step
 
     def take(self, step: int) -> list[ScoredGroup]:
@@ -111,6 +122,7 @@ class ScheduledRollouts:
                                f"version {self.published} is the newest published")
         start = time.perf_counter()
         out = [self.ready.pop(g) if g in self.ready else self.pool.result(g) for g in self.schedule.groups(step)]
+        self.pool.discard(set(self.schedule.groups(step)))  # a bundle's groups that were ready already
         self.waited = time.perf_counter() - start
         self.timeline += [(step, g.group, g.worker, g.started, g.finished) for g in out]
         self.taken = step
