@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from examples.digits import build_model
 from raytrain import CheckpointError, Trainer, TrainingArguments, get_last_checkpoint
-from raytrain.checkpoint import store as ckpt
+from raytrain.checkpoint import store as ckpt, weights as ckpt_weights
 from raytrain.checkpoint import io as checkpoint_io
 from tests.tiny import ROOT, kill_at_save
 
@@ -132,7 +132,7 @@ def test_sharded_weights_above_the_threshold(tmp_path):
 
 
 def test_sharded_checkpoint_from_training_verifies_and_lists_every_shard(tmp_path, monkeypatch):
-    monkeypatch.setattr(ckpt, "MAX_SHARD_BYTES", 4096)
+    monkeypatch.setattr(ckpt_weights, "MAX_SHARD_BYTES", 4096)
     make_trainer(tmp_path, max_steps=2, hidden=32).train()
     path = tmp_path / "checkpoint-2"
     files = set(json.load(open(path / "manifest.json"))["files"])
@@ -436,7 +436,7 @@ def test_async_write_failure_surfaces_from_train(tmp_path, monkeypatch):
     def fail(*args, **kwargs):
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(ckpt, "_write_weights", fail)
+    monkeypatch.setattr(ckpt, "write_weights", fail)
     trainer = make_trainer(tmp_path, max_steps=6, save_steps=2, save_async=True)
     with pytest.raises(CheckpointError, match="background checkpoint write failed: OSError: No space left"):
         trainer.train()
@@ -445,14 +445,14 @@ def test_async_write_failure_surfaces_from_train(tmp_path, monkeypatch):
 
 
 def test_async_failure_in_the_final_save_is_not_swallowed(tmp_path, monkeypatch):
-    real = ckpt._write_weights
+    real = ckpt.write_weights
 
     def fail_at_step_4(state, directory, *a, **kw):
         if directory.endswith("-4"):
             raise OSError("disk went away")
         return real(state, directory, *a, **kw)
 
-    monkeypatch.setattr(ckpt, "_write_weights", fail_at_step_4)
+    monkeypatch.setattr(ckpt, "write_weights", fail_at_step_4)
     with pytest.raises(CheckpointError, match="disk went away"):
         make_trainer(tmp_path, max_steps=4, save_steps=2, save_async=True).train()
     assert get_last_checkpoint(str(tmp_path)) == str(tmp_path / "checkpoint-2")

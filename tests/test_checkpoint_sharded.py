@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 pytest.importorskip("transformers")
 
 from raytrain import CheckpointError, TrainerCallback  # noqa: E402
-from raytrain.checkpoint import store as ckpt  # noqa: E402
+from raytrain.checkpoint import store as ckpt, weights as ckpt_weights  # noqa: E402
 from tests.hf import scripts  # noqa: E402
 from tests.tiny import StopAt  # noqa: E402
 
@@ -94,8 +94,8 @@ def test_sharded_as_save_pretrained_shards_and_every_shard_is_in_the_manifest(tm
     from transformers import BertForSequenceClassification, PreTrainedModel
 
     default = inspect.signature(PreTrainedModel.save_pretrained).parameters["max_shard_size"].default
-    assert ckpt.MAX_SHARD_BYTES == parse_size_to_int(default)  # HF's Trainer saves with that default
-    monkeypatch.setattr(ckpt, "MAX_SHARD_BYTES", SHARD)
+    assert ckpt_weights.MAX_SHARD_BYTES == parse_size_to_int(default)  # HF's Trainer saves with that default
+    monkeypatch.setattr(ckpt_weights, "MAX_SHARD_BYTES", SHARD)
     trainer = rt(tmp_path / "rt", data, max_steps=2)
     trainer.train()
     path = tmp_path / "rt" / "checkpoint-2"
@@ -127,7 +127,7 @@ def test_sharded_as_save_pretrained_shards_and_every_shard_is_in_the_manifest(tm
 def test_raytrain_sharded_checkpoint_resumes_bit_exact_and_a_damaged_shard_is_refused(tmp_path, data, reference,
                                                                                        monkeypatch):
     ref_weights, ref_losses = reference
-    monkeypatch.setattr(ckpt, "MAX_SHARD_BYTES", SHARD)
+    monkeypatch.setattr(ckpt_weights, "MAX_SHARD_BYTES", SHARD)
     rt(tmp_path, data, callbacks=[StopAt(2)]).train()
     path = tmp_path / "checkpoint-2"
     assert len(shards(path)) == 4
@@ -152,7 +152,7 @@ def test_weights_resaved_by_save_pretrained_sharded_resume_bit_exact_only_when_c
     from transformers import BertForSequenceClassification
 
     ref_weights, ref_losses = reference
-    monkeypatch.setattr(ckpt, "MAX_SHARD_BYTES", SHARD)
+    monkeypatch.setattr(ckpt_weights, "MAX_SHARD_BYTES", SHARD)
     rt(tmp_path, data, callbacks=[StopAt(2)]).train()
     path = tmp_path / "checkpoint-2"
     ours = shards(path)

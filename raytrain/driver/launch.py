@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 #: Ray Train's controller logs this ERROR line once per run about its own PreemptionWatcher actor, whose
 #: worker handles Ray Core counts as "constructor arguments in the object store" (ray-project/ray#53727).
-#: The watcher feeds ray.train.get_preemption_info (worker/ray_worker.py), so it stays on; the line goes.
+#: The watcher feeds ray.train.get_preemption_info (worker/preemption.py), so it stays on; the line goes.
 PREEMPTION_WATCHER_LINE = r"'PreemptionWatcher' and ID: '\w+' has constructor arguments in the object store"
 
 

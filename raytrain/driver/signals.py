@@ -1,5 +1,5 @@
 """DRIVER side of Ctrl-C / SIGTERM in a Ray run: the first signal makes every worker save at its next
-step boundary (SIGTERM to each, handled in worker/ray_worker.py), then the run is aborted so that
+step boundary (SIGTERM to each, handled in worker/preemption.py), then the run is aborted so that
 FailureConfig(max_failures) does not restart them. In-process runs are handled in worker/signals.py."""
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def _workers_by_node() -> dict[str, list[int]]:
 
 
 def stop_ray_workers() -> list[int]:
-    """SIGTERM this job's Ray Train workers, on every node: their handler (worker/ray_worker.py) saves a
+    """SIGTERM this job's Ray Train workers, on every node: their handler (worker/preemption.py) saves a
     checkpoint at the next step boundary and stops them. Returns the pids signalled."""
     import ray
     from ray.util import client

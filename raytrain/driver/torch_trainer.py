@@ -20,6 +20,7 @@ from ray.train.v2._internal.execution.scaling_policy import ElasticScalingPolicy
 
 from ..runtime.threads import explicit_threads  # noqa: E402
 from ..worker import ray_worker  # noqa: E402
+from ..worker.preemption import install_sigterm_handler  # noqa: E402
 from .elastic import FreshViewElasticPolicy  # noqa: E402
 
 __all__ = ["build_torch_trainer", "fit", "scaling_config", "worker_error"]
@@ -106,7 +107,7 @@ class _RaytrainTorchBackend(_TorchBackend):
 
     def on_training_start(self, worker_group, backend_config):
         super().on_training_start(worker_group, backend_config)
-        worker_group.execute(ray_worker.install_sigterm_handler)
+        worker_group.execute(install_sigterm_handler)
 
 
 class _RaytrainTorchConfig(TorchConfig):

@@ -13,14 +13,13 @@ import torch
 from ..strategies.base import unwrap_model
 
 if TYPE_CHECKING:
-    from ..config.args import TrainingArguments
     from ..callbacks.state import PredictionOutput
 
 class Seq2SeqMethods:
     """transformers' Seq2SeqTrainer over a Trainer: the same arguments as Trainer; args is best a Seq2SeqTrainingArguments
     (a plain TrainingArguments means no generation, as in HF)."""
 
-    def __init__(self, model: torch.nn.Module | None = None, args: TrainingArguments | None = None,
+    def __init__(self, model: torch.nn.Module | None = None, args: Any = None,
                  data_collator: Callable | None = None, train_dataset=None, eval_dataset=None,
                  processing_class: Any = None, model_init: Callable | None = None,
                  compute_loss_func: Callable | None = None, compute_metrics: Callable | None = None,

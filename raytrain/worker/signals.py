@@ -9,7 +9,7 @@ While a loop runs, the first signal only sets a flag that StopOnSignal turns int
 at the next step end (the checkpoint is then exactly resumable). Outside a loop (model building,
 the final evaluation) it raises Interrupted at once: there is no step boundary to wait for. A second
 signal exits the process at once. When the loop runs in Ray workers instead (driver/signals.py),
-the first signal is forwarded to them as SIGTERM: their handler (ray_worker.py) saves at the next
+the first signal is forwarded to them as SIGTERM: their handler (preemption.py) saves at the next
 step boundary, then the run is aborted so that Ray does not restart them.
 
 Trainer.train() called from Python (python_interrupts) behaves alike for Ctrl-C, in Python's terms:

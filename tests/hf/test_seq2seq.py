@@ -271,4 +271,6 @@ def test_seq2seq_trainer_generates_on_two_ray_workers(ray_cluster, tmp_path):
     assert evals[1]["eval_loss"] < evals[0]["eval_loss"]
     again = trainer.evaluate(num_beams=2, max_length=10)  # the driver holds rank 0's model afterwards
     assert (again["eval_pred_width"], again["eval_rows"]) == (20, 16)
-    assert again["eval_loss"] == pytest.approx(evals[1]["eval_loss"], rel=1e-4)
+    # HF 5.23's factor: T5's forward takes **kwargs, so HF's compute_loss multiplies its loss by the process count
+    # (2 on the workers, 1 on the driver), which T5's mean cross-entropy does not divide back out
+    assert 2 * again["eval_loss"] == pytest.approx(evals[1]["eval_loss"], rel=1e-4)

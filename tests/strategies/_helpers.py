@@ -142,7 +142,7 @@ class PreemptionNotice(TrainerCallback):
         self.step, self.seconds = step, seconds
 
     def on_train_begin(self, args, state, control, **kwargs):
-        os.environ["RAYTRAIN_PREEMPTION_POLL_S"] = "0"  # read by ray_worker.PreemptionCallback after this
+        os.environ["RAYTRAIN_PREEMPTION_POLL_S"] = "0"  # read by preemption.PreemptionCallback after this
         if int(os.environ.get("RANK", 0)) == 0:
             with open(os.path.join(args.output_dir, "starts.txt"), "a") as f:
                 f.write(f"{state.global_step}\n")

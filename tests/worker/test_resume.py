@@ -127,8 +127,8 @@ def test_resume_at_epoch_end_with_epoch_logging_is_bit_exact(tmp_path, ref_root)
 
 
 def test_resume_from_sharded_weights_is_bit_exact(tmp_path, ref_root, monkeypatch):
-    from raytrain.checkpoint import store as ckpt
-    monkeypatch.setattr(ckpt, "MAX_SHARD_BYTES", 2048)
+    from raytrain.checkpoint import weights as ckpt_weights
+    monkeypatch.setattr(ckpt_weights, "MAX_SHARD_BYTES", 2048)
     ref, ref_log, _ = _reference(ref_root, 1, 25)
     make_trainer(tmp_path, max_steps=25, callbacks=[StopAt(13)]).train()
     assert os.path.exists(tmp_path / "checkpoint-13" / "model.safetensors.index.json")
