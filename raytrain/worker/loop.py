@@ -253,8 +253,8 @@ def _train_step(run: RunState, window: list[dict]) -> None:
         if not last:
             trainer.control = cb.on_substep_end(args, state, trainer.control)
         state.total_flos += trainer.floating_point_ops(batch)
-    if strategy.dp_size > 1:  # HF's loss is each rank's x the ranks (DDP averages): this rank's share of the mean
-        step_loss = step_loss / strategy.dp_size
+    if strategy.gradient_scale > 1:  # HF's loss is each rank's x the ranks the backend averages over (sp_size's
+        step_loss = step_loss / strategy.gradient_scale  # too): this rank's share of the mean
     run.grad_norm = strategy.clip_grad_norm(args.max_grad_norm)
     trainer.control = cb.on_pre_optimizer_step(args, state, trainer.control)
     stepped = strategy.optimizer_step(run.grad_norm)

@@ -369,6 +369,7 @@ def pickle_trainer(trainer: TrainerProtocol, args) -> bytes:
     clone.args = args
     clone.set_strategy(None)
     clone.model_wrapped = None
+    clone.__dict__.pop("_accelerator", None)  # it points at `trainer`; the workers' clone builds its own
     try:
         return cloudpickle.dumps(clone)
     except Exception as e:

@@ -24,6 +24,8 @@ def plain(sample: Any) -> dict:
 class AsyncLossMethods:
     """The micro-batch, the loss and the metrics; the trainer sets epsilon_low / epsilon_high / aux-loss settings."""
 
+    loss_is_scaled_for_ga = True  # TRL's: compute_loss divides by the accumulation steps itself
+
     def _pack(self, mine: list[dict], micro: list[dict]) -> dict:
         """This rank's samples `mine` (of the micro-batch `micro`, every rank's), right-padded: shift_labels (the next
         token where it is a completion token, else -100), the behaviour log-probs and advantages at those positions,
@@ -61,11 +63,11 @@ class AsyncLossMethods:
         coef_1 = torch.exp(log_ratio)
         coef_2 = torch.clamp(coef_1, 1 - self.epsilon_low, 1 + self.epsilon_high)
         per_token = -torch.min(coef_1 * adv, coef_2 * adv)
-        ga = self.args.gradient_accumulation_steps
-        loss = per_token.sum() / inputs["global_n_tokens"].clamp(min=1.0) / ga
-        strategy = self.get_strategy()
+        ga, strategy = self.args.gradient_accumulation_steps, self.get_strategy()
+        # TRL's: over the tokens per rank (the ranks' mean of gradients is then the token mean), over accumulation
+        loss = per_token.sum() / (inputs["global_n_tokens"] / strategy.dp_size).clamp(min=1.0) / ga
         if self.aux_loss_enabled:
-            loss = loss + self.router_aux_loss_coef * out.aux_loss / ga / strategy.dp_size
+            loss = loss + self.router_aux_loss_coef * out.aux_loss / ga
         self._loss_metrics(coef_1, log_ratio, entropy, adv, strategy)
         return (loss, out) if return_outputs else loss
 
