@@ -3,7 +3,8 @@
     python benchmarks/trl.py [--hidden 256] [--layers 4] [--batch 4] [--max-length 512] [--warmup 2] [--steps 10]
                              [--rounds 3] [--threads 0] [--json results.json]
     python benchmarks/trl.py --script grpo [--batch 8] [--generations 4] [--completion-length 32] ...
-    python benchmarks/trl.py --script async [--threads 2] [--trainer-threads 1] [--rollout-workers 1] ...
+    python benchmarks/trl.py --script async [--threads 2] [--trainer-threads 1] [--rollout-workers 1]
+                             [--groups-per-call 0] [--max-staleness 1] ...
     python benchmarks/trl.py --quick [--script grpo|async]   # a 2-layer model, a few steps: the code path only
 
 SFT, the issue's script: a Llama built from its config (no download; examples/sft.py's byte-level tokenizer and
@@ -19,7 +20,8 @@ each round and raytrain.trl / trl (target >= 1.0x) with the range of the per-rou
 async: raytrain.trl's AsyncGRPOTrainer against its GRPOTrainer on the same model, prompts, batch and steps, at equal
 cores: GRPOTrainer colocated with --threads torch threads in every phase; the async trainer with --trainer-threads
 for training and --rollout-workers Ray actors of (threads - trainer-threads) / rollout-workers CPUs each, generating
-one version ahead (max_staleness 1). Tokens: the generated ones plus those through the loss (prompts and completions).
+--max-staleness versions ahead (1), --groups-per-call groups a generate() call (0: a step's). Tokens: the generated
+ones plus those through the loss (prompts and completions).
 Also printed: the staleness of the trained samples, each role's idle fraction over the timed steps (the trainer's
 wait for rollouts; each actor's time not generating) and the weight-sync seconds (target: async >= 1.25x).
 """
@@ -150,9 +152,9 @@ def run_async(lib: str, a, out: str) -> dict:
         torch.set_num_threads(a.trainer_threads)
         cpus = (threads - a.trainer_threads) / a.rollout_workers
         gpus = 0.5 / a.rollout_workers if a.cuda else 0.0  # on a GPU: the trainer and the actors share it
-        args = rt.AsyncGRPOConfig(out, max_staleness=1, rollout={"num_workers": a.rollout_workers,
-                                                                 "num_cpus_per_worker": cpus,
-                                                                 "num_gpus_per_worker": gpus}, **common)
+        rollout = {"num_workers": a.rollout_workers, "num_cpus_per_worker": cpus, "num_gpus_per_worker": gpus,
+                   "groups_per_call": a.groups_per_call or None}
+        args = rt.AsyncGRPOConfig(out, max_staleness=a.max_staleness, rollout=rollout, **common)
         cls = rt.AsyncGRPOTrainer
     timer = _timer("rt", a.warmup)
     torch.manual_seed(0)
@@ -176,7 +178,10 @@ def run_async(lib: str, a, out: str) -> dict:
         begin = time.time() - (time.perf_counter() - timer.start[0])  # the timed window in wall-clock seconds
         end = begin + wall
         busy = {}
+        calls = {}  # a bundle's groups share one call (one start): counted once, to its last group's end
         for _, _, worker, start, stop in trainer.rollout_timeline:
+            calls[worker, start] = max(stop, calls.get((worker, start), stop))
+        for (worker, start), stop in calls.items():
             busy[worker] = busy.get(worker, 0.0) + max(0.0, min(stop, end) - max(start, begin))
         stale = [logs[s]["sample/staleness_max"] for s in timed]
         result.update(trainer_idle=sum(logs[s]["perf/rollout_wait_s"] for s in timed) / wall,
@@ -210,7 +215,8 @@ def main_async(a) -> None:
               "ratio_median": statistics.median(ratios)}
     print(f"async: AsyncGRPOTrainer / GRPOTrainer tokens/s at {a.threads or os.cpu_count()} cores: "
           f"{result['ratio_median']:.3f}x (rounds {min(ratios):.3f}-{max(ratios):.3f}); target >= 1.25x; trainer "
-          f"{a.trainer_threads} thread(s), {a.rollout_workers} rollout actor(s); load avg at end "
+          f"{a.trainer_threads} thread(s), {a.rollout_workers} rollout actor(s), groups per call "
+          f"{a.groups_per_call or 'a step'}, max_staleness {a.max_staleness}; load avg at end "
           f"{result['load_avg_end']:.1f} ({os.cpu_count()} cpus)")
     if a.quick:
         print("quick run: the code path ran; its numbers are not figures to report")
@@ -224,6 +230,9 @@ def main() -> None:
     p.add_argument("--script", choices=("sft", "grpo", "async"), default="sft")
     p.add_argument("--trainer-threads", type=int, default=1, help="async: the async trainer's training threads")
     p.add_argument("--rollout-workers", type=int, default=1, help="async: its rollout actors")
+    p.add_argument("--groups-per-call", type=int, default=0,
+                   help="async: prompt groups per generate() call (0: a step's; 1 spreads a step over the actors)")
+    p.add_argument("--max-staleness", type=int, default=1, help="async: policy versions a sample may lag")
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--batch", type=int, default=None, help="per-device batch (default 4 for sft, 8 for grpo)")

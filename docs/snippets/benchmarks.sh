@@ -11,6 +11,7 @@ python benchmarks/local_cluster.py --health-checks cluster.yaml,default
 python benchmarks/llm.py --hidden 384 --layers 4 --batch 4 --seq 256 --warmup 3 --steps 12 --rounds 3 --threads 1
 python benchmarks/trl.py --hidden 256 --layers 4 --batch 4 --max-length 512 --warmup 2 --steps 10 --rounds 3
 python benchmarks/trl.py --script grpo --batch 8 --generations 4 --completion-length 32 --steps 20 --rounds 4 --threads 1
+python benchmarks/trl.py --script async --threads 2 --trainer-threads 1 --rollout-workers 1 --steps 40 --warmup 3 --rounds 5
 python benchmarks/gpu_train.py --batch 16 --seq 1024 --warmup 10 --steps 40 --rounds 2
 bash benchmarks/gpu.sh --fetch-wheels
 OUT=gpu-results bash benchmarks/gpu.sh
