@@ -49,6 +49,7 @@ def test_one_or_two_actors_a_killed_one_or_none_give_the_same_run(ray_cluster, r
     two.add_callback(kill)
     names = []
     two.add_callback(_ListActors(names))
+    two.add_callback(_BothUp(two))  # under load the second actor's engine may be built after steps 1-4 ran
     two.train()
     assert kill.killed is not None and two.rollout_restarts >= 1  # an actor lost mid-run, replaced by Ray
     assert jobs.steps(two) == reference["steps"]  # every logged number, bit for bit
@@ -63,6 +64,21 @@ def test_one_or_two_actors_a_killed_one_or_none_give_the_same_run(ray_cluster, r
                          for s, _, _, start, end in two.rollout_timeline)]
     assert overlapped, (timed.steps, two.rollout_timeline)
     assert not [a for a in ray.util.list_named_actors() if a.startswith("raytrain-rollout")]  # released at the end
+
+
+class _BothUp(jobs.TrainerCallback):
+    """At the end of step 1, waits until every rollout actor has answered its ping (its engine built), so that the
+    bundles of the next steps go round both before one is killed."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def on_step_end(self, args, state, control, **kwargs):
+        import time
+
+        pool, deadline = self.trainer._rollouts.pool, time.monotonic() + 240
+        while state.global_step == 1 and pool.down and time.monotonic() < deadline:
+            time.sleep(0.2)
 
 
 class _ListActors(jobs.TrainerCallback):
