@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .common import check_prompt_datasets
 from .engine import GroupRequest
 from .rollouts import LocalPool, ScheduledRollouts, eval_metrics
 
@@ -20,7 +21,7 @@ class AsyncEvalMethods:
             return metrics
         if dataset is None:
             raise ValueError("evaluate() needs an eval_dataset (given to the trainer or to evaluate)")
-        check_dataset("eval_dataset", dataset, required=True)
+        check_datasets({"eval_dataset": dataset})
         strategy = self.get_strategy()
         weights = self._trainable_weights()
         metrics = None
@@ -57,17 +58,5 @@ class AsyncEvalMethods:
         return LocalPool(self._engine_factory()(), keep=1)
 
 
-def check_dataset(name: str, data: Any, required: bool) -> None:
-    """A map-style dataset with a prompt column and no images, or one line naming what is wrong."""
-    if data is None:
-        if required:
-            raise ValueError(f"`{name}` is required (its prompts are what the rollouts generate from)")
-        return
-    if not (hasattr(data, "__getitem__") and hasattr(data, "__len__")):
-        raise TypeError(f"{name}: a map-style datasets.Dataset is needed (prompts are read by index), got "
-                        f"{type(data).__name__}")
-    columns = set(getattr(data, "column_names", None) or data[0])
-    if "prompt" not in columns:
-        raise ValueError(f"{name}: no 'prompt' column (it has {sorted(columns)})")
-    if {"image", "images"} & columns:
-        raise ValueError(f"{name}: image columns (vision datasets) are not supported by AsyncGRPOTrainer")
+def check_datasets(datasets: dict[str, Any]) -> None:
+    check_prompt_datasets(datasets, "AsyncGRPOTrainer", "prompts are read by index")

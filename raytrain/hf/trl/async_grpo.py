@@ -24,7 +24,7 @@ from trl.trainer.utils import (add_fused_lm_head, create_model_from_path, get_ca
 
 from ...callbacks.base import TrainerCallback
 from ...strategies.base import frozen_names, unwrap_model
-from .async_eval import AsyncEvalMethods, check_dataset
+from .async_eval import AsyncEvalMethods, check_datasets
 from .async_loss import AsyncLossMethods, plain
 from .common import TRLMethods, as_config, setup_peft
 from .config import refuse_vllm
@@ -68,8 +68,9 @@ class AsyncGRPOMethods(AsyncLossMethods, AsyncEvalMethods, TRLMethods):
             self.model_init = model_init
             model = super().call_model_init()
         args = as_config(self.config_class, args, model, "AsyncGRPO")
-        check_dataset("train_dataset", train_dataset, required=True)
-        check_dataset("eval_dataset", eval_dataset, required=False)
+        if train_dataset is None:
+            raise ValueError("`train_dataset` is required (its prompts are what the rollouts generate from)")
+        check_datasets({"train_dataset": train_dataset, "eval_dataset": eval_dataset})
         if rollout_worker is None:
             refuse_vllm(args)
         if args.use_liger_kernel:

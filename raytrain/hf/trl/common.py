@@ -44,6 +44,22 @@ def check_unsupported(args: Any) -> None:
         raise ValueError("model_init_kwargs.device_map: not supported; raytrain places the model on each worker")
 
 
+def check_prompt_datasets(datasets: dict[str, Any], trainer: str, indexed_by: str) -> None:
+    """Each dataset (each of a dict's) map-style, with a prompt column and no images, or one line naming it."""
+    for name, data in datasets.items():
+        for part in (data.values() if isinstance(data, dict) else [data]):
+            if part is None:
+                continue
+            if not (hasattr(part, "__getitem__") and hasattr(part, "__len__")):
+                raise TypeError(f"{name}: a map-style datasets.Dataset is needed ({indexed_by}), got "
+                                f"{type(part).__name__}")
+            columns = set(getattr(part, "column_names", None) or part[0])
+            if "prompt" not in columns:
+                raise ValueError(f"{name}: no 'prompt' column (it has {sorted(columns)})")
+            if {"image", "images"} & columns:
+                raise ValueError(f"{name}: image columns (vision datasets) are not supported by {trainer}")
+
+
 def setup_peft(model: Any, peft_config: Any, args: Any, added_tokens: list[int]) -> Any:
     """TRL's PEFT set-up: get_peft_model with peft_config (new chat tokens trainable), input grads when checkpointing."""
     if peft_config is not None:

@@ -26,7 +26,7 @@ from trl.trainer.utils import (add_fused_lm_head, create_model_from_path, disabl
 
 from ...strategies.base import unwrap_model
 from ..accelerator import Accelerator
-from .common import TRLMethods, as_config, from_path_kwargs, setup_peft
+from .common import TRLMethods, as_config, check_prompt_datasets, from_path_kwargs, setup_peft
 from .config import refuse_config
 from .rewards import RewardMethods
 
@@ -185,19 +185,8 @@ class RolloutMethods(RewardMethods, TRLMethods):
         refuse_config(args, self._kind)
         if train_dataset is None:
             raise ValueError("train_dataset is required")
-        for name, data in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
-            for part in (data.values() if isinstance(data, dict) else [data]):
-                if part is None:
-                    continue
-                if not (hasattr(part, "__getitem__") and hasattr(part, "__len__")):
-                    raise TypeError(f"{name}: a map-style datasets.Dataset is needed (TRL's RepeatSampler indexes it), "
-                                    f"got {type(part).__name__}")
-                columns = set(getattr(part, "column_names", None) or part[0])
-                if "prompt" not in columns:
-                    raise ValueError(f"{name}: no 'prompt' column (it has {sorted(columns)})")
-                if {"image", "images"} & columns:
-                    raise ValueError(f"{name}: image columns (vision datasets) are not supported by raytrain.trl's "
-                                     f"{self._kind}Trainer")
+        check_prompt_datasets({"train_dataset": train_dataset, "eval_dataset": eval_dataset},
+                              f"raytrain.trl's {self._kind}Trainer", "TRL's RepeatSampler indexes it")
 
     @staticmethod
     def _load_model(model: Any, args: Any, quantization_config: Any) -> torch.nn.Module:
