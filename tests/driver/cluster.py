@@ -377,18 +377,10 @@ def _placement_groups() -> list[dict]:
             for pg_id, g in ray.util.placement_group_table().items() if pg_id.endswith(job)]
 
 
-def main(spec_path: str) -> None:
-    """Train the digits job on the cluster at spec["address"]; write losses, a digest of the final
-    weights and what the driver's output_dir holds to spec["result"]."""
-    with open(spec_path) as f:
-        spec = json.load(f)
-    import ray
-
-    env = {k: os.environ[k] for k in ("PYTHONPATH", "RAY_ADDRESS", "RAY_AUTH_MODE", "DS_ACCELERATOR")}
-    ray.init(address=spec["address"], log_to_driver=False, runtime_env={"env_vars": env})
+def job(spec: dict) -> tuple:
+    """The digits job that `spec` describes: (args, model, train dataset, evaluation dataset or None, callbacks)."""
     from examples.digits import build_datasets
-    from raytrain import Trainer
-    from tests.strategies._helpers import digits_args, digits_model, state_digest
+    from tests.strategies._helpers import digits_args, digits_model
 
     train, val = build_datasets()
     # "best": evaluate at every save, the best checkpoint being the first (the highest eval_loss), so
@@ -419,6 +411,49 @@ def main(spec_path: str) -> None:
         callbacks.append(StepMarks(spec["marks"]))
     if spec.get("ids"):
         callbacks.append(IdLog(spec["ids"]))
+    return args, model, train, val if best else None, callbacks
+
+
+def _logs(trainer) -> list[dict]:
+    return [h for h in trainer.state.log_history if "loss" in h]
+
+
+def rank_job(spec: dict) -> dict:
+    """On each of 2 gloo processes (tests/strategies/_gloo.py): `spec`'s job, uninterrupted; its steps, losses and
+    the digest of its final weights, as main() reports a Ray run's."""
+    from raytrain import Trainer
+    from raytrain.worker import loop
+    from tests.strategies._helpers import full_weights, state_digest
+
+    args, model, train, val, callbacks = job(spec)
+    trainer = Trainer(model, args, train_dataset=train, eval_dataset=val, callbacks=callbacks)
+    loop.train(trainer, None)
+    return {"global_step": trainer.state.global_step, "digest": state_digest(full_weights(trainer.model_wrapped)),
+            "logs": _logs(trainer)}
+
+
+def local_run(root: str, **spec) -> dict:
+    """`spec`'s job without Ray, on 2 gloo processes of this machine (DDP's maths do not depend on where its ranks
+    run, and a Ray run's driver and worker group cost 30-60 s here): rank 0's rank_job."""
+    from tests.strategies._gloo import launch
+
+    spec = {"output_dir": os.path.join(root, "out"), **spec, "storage": None}
+    return launch(root, 2, {"run": ("tests.driver.cluster:rank_job", {"spec": spec})})[0]["run"]
+
+
+def main(spec_path: str) -> None:
+    """Train the digits job on the cluster at spec["address"]; write losses, a digest of the final
+    weights and what the driver's output_dir holds to spec["result"]."""
+    with open(spec_path) as f:
+        spec = json.load(f)
+    import ray
+
+    env = {k: os.environ[k] for k in ("PYTHONPATH", "RAY_ADDRESS", "RAY_AUTH_MODE", "DS_ACCELERATOR")}
+    ray.init(address=spec["address"], log_to_driver=False, runtime_env={"env_vars": env})
+    from raytrain import Trainer
+    from tests.strategies._helpers import digits_args, digits_model, state_digest
+
+    args, model, train, val, callbacks = job(spec)
     result: dict = {}
     if spec.get("refused"):  # first, the same job without storage_path into this output_dir: its error
         try:
@@ -429,14 +464,12 @@ def main(spec_path: str) -> None:
         except Exception as e:  # noqa: BLE001 - the test asserts on it
             result["refused"] = f"{type(e).__name__}: {e}"
     try:
-        trainer = Trainer(model, args, train_dataset=train, eval_dataset=val if best else None,
-                          callbacks=callbacks)
+        trainer = Trainer(model, args, train_dataset=train, eval_dataset=val, callbacks=callbacks)
         out = trainer.train(resume_from_checkpoint=spec.get("resume"))
         trainer.save_model(os.path.join(spec["output_dir"], "final"))
         trainer.save_state()
         result = {**result, "global_step": out.global_step, "digest": state_digest(trainer.model.state_dict()),
-                  "logs": [h for h in trainer.state.log_history if "loss" in h],
-                  "best_model_checkpoint": trainer.state.best_model_checkpoint,
+                  "logs": _logs(trainer), "best_model_checkpoint": trainer.state.best_model_checkpoint,
                   "output_dir": sorted(os.listdir(spec["output_dir"])), "placement_groups": _placement_groups()}
     except Exception as e:  # noqa: BLE001 - the test asserts on it
         result = {**result, "error": f"{type(e).__name__}: {e}"}

@@ -3,7 +3,8 @@ scaling.storage_path is storage every node reaches, and a node can be lost with 
 
 One simulated cluster (tests/driver/cluster.py: a head and worker nodes in their own mount namespaces,
 each with a private tmpfs at the output_dir's parent) serves the module; each run's driver is a
-subprocess. Runs: 20 DDP steps of the digits job on 2 workers (one per node), a checkpoint every 5.
+subprocess. Runs: 20 DDP steps of the digits job on 2 workers (one per node), a checkpoint every 5; the
+uninterrupted run, without Ray, on 2 gloo processes.
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ import time
 import pytest
 
 from raytrain.checkpoint import store as ckpt
-from tests.driver.cluster import SimCluster
+from tests.driver.cluster import SimCluster, local_run
 
-# One cluster for the module (one xdist worker). By default the refusal and the loss of rank 1's node run
-# (about 105 s in the suite, the cluster's start included); the other runs take minutes more: opt-in.
+# One cluster for the module (one xdist worker). By default the refusal and the loss of rank 1's node run, in one
+# driver (about 60 s on a quiet machine, the cluster's start included; the uninterrupted run they compare with runs
+# on 2 gloo processes, no Ray); the other runs take minutes more: opt-in.
 pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("spot"),
               pytest.mark.skipif(os.geteuid() != 0, reason="mount namespaces need root")]
 MORE = pytest.mark.long  # a longer simulated multi-node run (minutes): RAYTRAIN_LONG_TESTS=1
@@ -63,16 +65,31 @@ def _lose_node_at(flag: str, replacement: str | None):
 
 
 @pytest.fixture(scope="module")
-def reference(cluster):
-    """The uninterrupted run with its output_dir on a disk every node shares; before it, in the same driver (a
-    driver's start costs 10-20 s here), the same job without storage_path into a node-local output_dir."""
-    return cluster.run("reference", os.path.join(cluster.base, "shared", "out"), os.path.join(cluster.storage, "ref"),
-                       refused=os.path.join(cluster.local, "refused"))
+def reference(tmp_path_factory):
+    """The uninterrupted run, on 2 gloo processes of this machine (tests/driver/cluster.py local_run)."""
+    return local_run(str(tmp_path_factory.mktemp("spot-reference")))
+
+
+def _lose_rank(cluster, rank: int, replacement: str, **spec) -> tuple[dict, str]:
+    """DDP: the node of `rank` (and its disk) lost after step 12, a new node `replacement` joining; the run, its
+    storage."""
+    flag = os.path.join(cluster.storage, f"lose-rank{rank}")
+    storage = os.path.join(cluster.storage, f"lost{rank}")
+    return cluster.run(f"lost{rank}", os.path.join(cluster.local, f"lost{rank}"), storage,
+                       during=_lose_node_at(flag, replacement), max_failures=1,
+                       pause={"rank": rank, "step": 12, "flag": flag}, **spec), storage
+
+
+@pytest.fixture(scope="module")
+def rank1_lost(cluster):
+    """Rank 1's node lost; before that run, in the same driver (a driver's start costs 10-20 s here), the same
+    job without storage_path into a node-local output_dir."""
+    return _lose_rank(cluster, 1, "c", refused=os.path.join(cluster.local, "refused"))
 
 
 @pytest.mark.timeout(600)  # the module's cluster starts first
-def test_several_nodes_without_storage_path_are_refused_before_any_work(cluster, reference):
-    error = reference["refused"]
+def test_several_nodes_without_storage_path_are_refused_before_any_work(cluster, rank1_lost):
+    error = rank1_lost[0]["refused"]
     assert error.startswith("ConfigError: scaling.storage_path is not set") and "\n" not in error
     assert "2 nodes" in error and not os.path.exists(os.path.join(cluster.local, "refused"))  # before any work
 
@@ -93,16 +110,13 @@ def test_node_local_output_dir_trains_as_on_a_shared_disk(cluster, reference):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("rank, replacement", [(1, "c"), pytest.param(0, "h", marks=MORE)])
-def test_losing_a_ranks_node_resumes_from_storage_bit_exact(cluster, reference, rank, replacement):
+@pytest.mark.parametrize("rank", [1, pytest.param(0, marks=MORE)])
+def test_losing_a_ranks_node_resumes_from_storage_bit_exact(cluster, reference, rank, request):
     """DDP: the node of `rank` (and its disk) is lost after step 12; a new node with an empty disk joins;
     the restarted group (max_failures) resumes from Ray's checkpoint-10, which holds rank 1's files too
     (old code: "not a checkpoint directory"), and ends bit for bit as the uninterrupted run, with
     trainer_state.json and final/ on the driver's output_dir whichever node rank 0 ran on."""
-    flag = os.path.join(cluster.storage, f"lose-rank{rank}")
-    storage = os.path.join(cluster.storage, f"lost{rank}")
-    run = cluster.run(f"lost{rank}", os.path.join(cluster.local, f"lost{rank}"), storage,
-               during=_lose_node_at(flag, replacement), max_failures=1, pause={"rank": rank, "step": 12, "flag": flag})
+    run, storage = request.getfixturevalue("rank1_lost") if rank == 1 else _lose_rank(cluster, 0, "h")
     assert run["global_step"] == 20 and run["digest"] == reference["digest"]
     assert run["logs"] == reference["logs"]
     assert {"final", "trainer_state.json"} <= set(run["output_dir"])

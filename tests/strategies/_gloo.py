@@ -1,5 +1,6 @@
-"""Spawned gloo process groups for the TP and pipeline tests. Each process imports torch, transformers and peft
-(about 7 CPU-seconds each), so test_tp.py's and test_pp.py's runs on 4 processes share one launch (conftest.py's
+"""Gloo process groups for the tests that run ranks without Ray. A fresh process imports torch, transformers and
+peft (about 7 CPU-seconds each on 2 cores), so the ranks fork from one server per pytest process that imported
+them once (`start`); and test_tp.py's and test_pp.py's runs on 4 processes share one launch (conftest.py's
 `gloo4`), one module's runs after the other's in the same process group."""
 
 from __future__ import annotations
@@ -12,7 +13,23 @@ import socket
 import torch
 
 
-def _free_port() -> int:
+#: imported once by the forkserver that every rank forks from (the first `start` of a pytest process sets it)
+PRELOAD = ["torch.distributed.fsdp", "torch.distributed.pipelining", "transformers.models.llama.modeling_llama",
+           "peft", "trl", "deepspeed", "raytrain.worker.loop", "tests.strategies._gloo", "tests.strategies._helpers"]
+
+
+def start(fn, args: tuple, nprocs: int) -> None:
+    """fn(rank, *args) on `nprocs` processes forked from the server, joined; a rank's exception is raised here."""
+    import multiprocessing
+
+    import torch.multiprocessing as mp
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # the server's environment, before it imports deepspeed
+    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+
+
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -34,9 +51,7 @@ def _rank(rank: int, world: int, port: int, root: str, jobs: dict) -> None:
 
 
 def launch(root, world: int, jobs: dict) -> list[dict]:
-    """Run `jobs` ({name: ("module:function", kwargs)}), one after the other, on `world` spawned processes in one
-    gloo group; per rank, {name: what the function returned there}."""
-    import torch.multiprocessing as mp
-
-    mp.spawn(_rank, args=(world, _free_port(), str(root), jobs), nprocs=world, join=True)
+    """Run `jobs` ({name: ("module:function", kwargs)}), one after the other, on `world` processes in one gloo
+    group; per rank, {name: what the function returned there}."""
+    start(_rank, (world, free_port(), str(root), jobs), world)
     return [json.loads(open(os.path.join(str(root), f"rank{r}.json")).read()) for r in range(world)]

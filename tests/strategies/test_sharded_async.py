@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import threading
 
 import numpy as np
@@ -17,6 +16,7 @@ import torch
 
 import raytrain.checkpoint.store as ckpt
 from raytrain import TrainerCallback
+from tests.strategies._gloo import free_port, start
 
 STEPS, SAVE_AT = 8, 4
 BACKENDS = {  # the strategy's config, its folder in the checkpoint, and files of both ranks there
@@ -25,12 +25,6 @@ BACKENDS = {  # the strategy's config, its folder in the checkpoint, and files o
     "zero3": ({"strategy": "deepspeed", "deepspeed": {"zero_optimization": {"stage": 3}}}, "deepspeed",
               {f"deepspeed/zero_pp_rank_{r}_mp_rank_00_{kind}_states.pt" for r in (0, 1) for kind in ("model", "optim")}),
 }
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class _GateWrites(TrainerCallback):
@@ -110,9 +104,7 @@ def _rank(rank: int, root: str, port: int, backend: str) -> None:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("backend", list(BACKENDS))
 def test_background_save_of_sharded_state_writes_after_save_returns_and_resumes_bit_exactly(backend, tmp_path):
-    import torch.multiprocessing as mp
-
-    mp.spawn(_rank, args=(str(tmp_path), _free_port(), backend), nprocs=2, join=True)
+    start(_rank, (str(tmp_path), free_port(), backend), 2)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     _, _, files = BACKENDS[backend]
     for r in results:

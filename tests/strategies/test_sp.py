@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import numpy as np
 import pytest
 import torch
 
 from raytrain import TrainingArguments
+from tests.strategies._gloo import free_port, start
 
 STEPS, SAVE_AT, GLOBAL_BATCH, SEQ = 10, 5, 4, 256
 SP2 = {"sp_size": 2, "sp_backend": "deepspeed"}
@@ -98,12 +98,6 @@ def _losses(trainer) -> list[float]:
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _attention_lengths(model) -> list[int]:
     """The tokens each training forward hands the first attention module (a forward pre-hook)."""
     seen: list[int] = []
@@ -169,18 +163,9 @@ def one_process(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def layouts(tmp_path_factory, one_process):
-    """The 4 processes fork from a server that imported the libraries once (a fresh process each would import
-    torch, transformers, DeepSpeed, PEFT and TRL again: most of the launch's CPU time on 2 cores)."""
-    import multiprocessing
-
-    import torch.multiprocessing as mp
-
+    """The 4 processes fork from a server that imported the libraries once (tests/strategies/_gloo.py)."""
     root = tmp_path_factory.mktemp("sp")
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # the server's environment, before it imports deepspeed
-    multiprocessing.get_context("forkserver").set_forkserver_preload(
-        ["torch", "transformers", "peft", "trl", "deepspeed", "tests.strategies.test_sp"])
-    mp.start_processes(_rank, args=(str(root), _free_port(), str(one_process[0] / "single")), nprocs=4, join=True,
-                       start_method="forkserver")
+    start(_rank, (str(root), free_port(), str(one_process[0] / "single")), 4)
     return root, [json.loads((root / f"rank{r}.json").read_text()) for r in range(4)]
 
 
@@ -405,11 +390,9 @@ def _cp_rank(rank: int, root: str, port: int) -> None:
 @pytest.mark.timeout(300)
 def test_cp2_on_two_gpus_matches_one_gpu(tmp_path):
     """torch's context_parallel (ring attention) under FSDP2 on 2 GPUs: one GPU's losses (benchmarks/gpu.sh)."""
-    import torch.multiprocessing as mp
-
     from raytrain import Trainer
 
-    mp.spawn(_cp_rank, args=(str(tmp_path), _free_port()), nprocs=2, join=True)
+    start(_cp_rank, (str(tmp_path), free_port()), 2)
     one = Trainer(tiny_llama(), lm_args(str(tmp_path / "one"), save_strategy="no", scaling={"num_workers": 1,
                                                                                           "use_gpu": True}),
                   train_dataset=token_rows())

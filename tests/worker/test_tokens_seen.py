@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import numpy as np
 import torch
+
+from tests.strategies._gloo import free_port, start
 
 N, WIDTH = 48, 6  # one epoch: 48 rows in global batches of 8 (4 per rank), 6 steps
 
@@ -31,12 +32,6 @@ def _data():
     mask = (np.arange(WIDTH)[None] < rng.integers(1, WIDTH + 1, N)[:, None]).astype(np.int64)
     return {"input_ids": rng.integers(0, 16, (N, WIDTH)), "attention_mask": mask,
             "labels": rng.random(N, dtype=np.float32)}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, root: str, port: int) -> None:
@@ -64,9 +59,7 @@ def _rank(rank: int, root: str, port: int) -> None:
 
 
 def test_every_rank_counts_the_tokens_of_all_ranks_and_a_resume_continues(tmp_path):
-    import torch.multiprocessing as mp
-
-    mp.spawn(_rank, args=(str(tmp_path), _free_port()), nprocs=2, join=True)
+    start(_rank, (str(tmp_path), free_port()), 2)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0] == ranks[1]
     full = {how: dict(ranks[0][f"{how}/full"]) for how in ("all", "non_padding")}
