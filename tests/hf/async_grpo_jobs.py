@@ -90,9 +90,13 @@ BACKENDS = {"ddp": {"strategy": "ddp"},
             "zero3": {"strategy": "deepspeed", "deepspeed": {"zero_optimization": {"stage": 3}}}}
 
 
+#: rollout actors per backend's run: the two-actor pool once (an actor's start costs several CPU-seconds here)
+ACTORS = {"ddp": 2, "fsdp2": 1, "zero3": 1}
+
+
 def worker_cases(root: str) -> dict:
-    """On the driver: each backend's trainer (2 workers, half the per-device batch; 2 rollout actors) pickled as a
-    Ray run ships it."""
+    """On the driver: each backend's trainer (2 workers, half the per-device batch; ACTORS rollout actors) pickled
+    as a Ray run ships it."""
     import copy
     import os
 
@@ -100,8 +104,8 @@ def worker_cases(root: str) -> dict:
 
     cases = {}
     for name, backend in BACKENDS.items():
-        t = trainer(os.path.join(root, name), workers=2, per_device_train_batch_size=2, scaling={"num_workers": 2},
-                    distributed=backend)
+        t = trainer(os.path.join(root, name), workers=ACTORS[name], per_device_train_batch_size=2,
+                    scaling={"num_workers": 2}, distributed=backend)
         cases[name] = {"trainer": pickle_trainer(t, copy.deepcopy(t.args)), "resume_from_checkpoint": None,
                        "run": name, "threads": None}
     return cases

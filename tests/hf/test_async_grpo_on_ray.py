@@ -1,7 +1,8 @@
 """raytrain.trl's AsyncGRPOTrainer with its rollouts on Ray actors (raytrain-rollout-<i>) of the shared cluster: one
 actor (silent past heartbeat_stale_after_s once, restarted), two actors (one of them SIGKILLed mid-run) and the
 trainer's own process give the same logged numbers and final weights bit for bit; generation of step n + 1 overlaps
-the training of step n; a driver SIGKILLed at a save resumes to the same run; 2 Ray Train workers (DDP, FSDP2, ZeRO-3) with 2 actors match one process."""
+the training of step n; a driver SIGKILLed at a save resumes to the same run; 2 Ray Train workers (DDP, FSDP2, ZeRO-3) with
+rollout actors match one process."""
 
 from __future__ import annotations
 
@@ -34,7 +35,7 @@ def test_one_or_two_actors_a_killed_one_or_none_give_the_same_run(ray_cluster, r
 
     # one actor, silent for a minute on its first group: restarted after heartbeat_stale_after_s, the group again
     slow = functools.partial(jobs.low_ids, slow_once=str(tmp_path / "slow"))
-    one = jobs.trainer(str(tmp_path / "one"), workers=1, reward=slow, heartbeat_stale_after_s=20)
+    one = jobs.trainer(str(tmp_path / "one"), workers=1, reward=slow, heartbeat_stale_after_s=10)
     with logged("raytrain", logging.WARNING) as records:
         one.train()
     assert any("raytrain-rollout-0 silent for" in r.getMessage() for r in records), [r.getMessage() for r in records]
@@ -118,9 +119,9 @@ def test_a_driver_sigkilled_at_a_save_resumes_to_the_same_run(ray_cluster, refer
 
 
 @pytest.mark.timeout(900)
-def test_two_trainer_workers_with_two_actors_match_one_process(ray_cluster, reference, tmp_path):  # noqa: F811
-    """DDP, FSDP2 and ZeRO-3 on 2 Ray Train workers (per-device batch 2), 2 rollout actors each: the same global
-    batch as the local run (per-device 4), so the same losses and weights within 1e-5; the reward rises."""
+def test_two_trainer_workers_with_rollout_actors_match_one_process(ray_cluster, reference, tmp_path):  # noqa: F811
+    """DDP (2 rollout actors), FSDP2 and ZeRO-3 (1 each) on 2 Ray Train workers (per-device batch 2): the same
+    global batch as the local run (per-device 4), so the same losses and weights within 1e-5; the reward rises."""
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
