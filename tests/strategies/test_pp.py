@@ -20,7 +20,7 @@ import torch
 from raytrain import TrainingArguments
 from tests.strategies.test_tp import lm_args, token_rows
 
-STEPS, SAVE_AT, GLOBAL_BATCH = 10, 5, 8
+STEPS, SAVE_AT, GLOBAL_BATCH = 6, 3, 8
 LAYOUTS = {  # name -> (parallelism_config, per-device batch); 4 processes each
     "pp2xdp2": ({"pp_size": 2, "dp_shard_size": 2}, 4),
     "pp2xtp2": ({"pp_size": 2, "tp_size": 2, "pp_schedule": "GPipe"}, 8),
@@ -443,8 +443,8 @@ def test_a_pipelined_trainer_with_its_own_compute_loss_is_refused(tmp_path):
 @pytest.mark.timeout(600)
 @pytest.mark.long  # ~2 min: by default pp2 x dp2 resumes bit-exact in the spawned runs, a Ray SIGKILL in test_launch
 def test_ray_pp2_dp2_worker_sigkilled_resumes_bit_exactly(ray_cluster, pipelines, tmp_path):
-    """4 Ray workers as pp2 x dp2; rank 2 (a last-stage rank) is SIGKILLed after step 7: Ray restarts the group
-    from checkpoint-5, which ends where the uninterrupted spawned run ended, bit for bit."""
+    """4 Ray workers as pp2 x dp2; rank 2 (a last-stage rank) is SIGKILLed after step SAVE_AT + 2: Ray restarts the
+    group from checkpoint-SAVE_AT, which ends where the uninterrupted spawned run ended, bit for bit."""
     from raytrain import Trainer, load_weights
     from tests.strategies._helpers import FaultInjector
 
@@ -454,7 +454,8 @@ def test_ray_pp2_dp2_worker_sigkilled_resumes_bit_exactly(ray_cluster, pipelines
     args = lm_args(str(out), parallelism, per_device, workers=4,
                    scaling={"num_workers": 4, "storage_path": str(tmp_path / "ray"), "max_failures": 1,
                             "resources_per_worker": {"CPU": 1}})
-    trainer = Trainer(tiny_llama(), args, train_dataset=token_rows(), callbacks=[FaultInjector(2, 7, signal.SIGKILL)])
+    trainer = Trainer(tiny_llama(), args, train_dataset=token_rows(),
+                      callbacks=[FaultInjector(2, SAVE_AT + 2, signal.SIGKILL)])
     assert trainer.train().global_step == STEPS
     assert [int(s) for s in (out / "starts.txt").read_text().split()] == [0, SAVE_AT]
     ours, ref = load_weights(str(out / f"checkpoint-{STEPS}")), load_weights(str(root / "pp2xdp2" / f"checkpoint-{STEPS}"))

@@ -15,7 +15,7 @@ import torch
 
 from raytrain import TrainingArguments
 
-STEPS, SAVE_AT, GLOBAL_BATCH = 10, 5, 8
+STEPS, SAVE_AT, GLOBAL_BATCH = 6, 3, 8
 LAYOUTS = {  # name -> (parallelism_config, per-device batch); 4 processes each
     "2x2": ({"dp_shard_size": 2, "tp_size": 2}, 4),
     "dp4": ({"dp_shard_size": 4}, 2),
@@ -64,7 +64,7 @@ def mlp_run(output_dir: str, workers: int = 1):
 
 
 def token_rows(n: int = STEPS * GLOBAL_BATCH, length: int = 16) -> dict:
-    """Counting sequences (random start and stride): something to learn in 10 steps."""
+    """Counting sequences (random start and stride): something to learn in STEPS steps."""
     rng = np.random.default_rng(0)
     ids = (rng.integers(0, 128, (n, 1)) + rng.integers(1, 4, (n, 1)) * np.arange(length)) % 128
     return {"input_ids": ids, "labels": ids.copy()}
@@ -232,8 +232,8 @@ def test_tp_plan_errors_name_the_option():
 @pytest.mark.timeout(600)
 @pytest.mark.long  # ~100 s: by default 2x2 resumes bit-exact in the spawned runs, a Ray worker's SIGKILL in test_launch
 def test_ray_2x2_worker_sigkilled_resumes_bit_exactly(ray_cluster, layouts, tmp_path):
-    """4 Ray workers as 2x2; rank 1 is SIGKILLed after step 7: Ray restarts the group from checkpoint-5,
-    which ends where the uninterrupted 2x2 run (the spawned one) ended, bit for bit."""
+    """4 Ray workers as 2x2; rank 1 is SIGKILLed after step SAVE_AT + 2: Ray restarts the group from
+    checkpoint-SAVE_AT, which ends where the uninterrupted 2x2 run (the spawned one) ended, bit for bit."""
     import signal
 
     from raytrain import Trainer, load_weights
@@ -246,7 +246,7 @@ def test_ray_2x2_worker_sigkilled_resumes_bit_exactly(ray_cluster, layouts, tmp_
                    scaling={"num_workers": 4, "storage_path": str(tmp_path / "ray"), "max_failures": 1,
                             "resources_per_worker": {"CPU": 1}})
     trainer = Trainer(tiny_llama(), args, train_dataset=token_rows(),
-                      callbacks=[FaultInjector(1, 7, signal.SIGKILL)])
+                      callbacks=[FaultInjector(1, SAVE_AT + 2, signal.SIGKILL)])
     assert trainer.train().global_step == STEPS
     assert [int(s) for s in (out / "starts.txt").read_text().split()] == [0, SAVE_AT]
     ours, ref = load_weights(str(out / f"checkpoint-{STEPS}")), load_weights(str(root / "2x2" / f"checkpoint-{STEPS}"))
