@@ -3,7 +3,8 @@ first imports each: another version is refused in one line naming the supported 
 mid-run. pyproject.toml bounds the same ranges (tests/test_deps.py compares the two).
 
 - ray: Ray Train v2's internals (the elastic policy's _get_reserved_resources, the controller and worker context,
-  _TorchBackend), ray._private's state API, the fake autoscaler's provider, Ray Data's internals;
+  _TorchBackend, the default callbacks' DatasetsCallback), ray._private's state API, the fake autoscaler's provider,
+  Ray Data's internals;
 - trl: TRL 1.16's private trainer methods (_generate_and_score_completions, _compute_loss, _prepare_dataset, ...);
 - deepspeed: ZeRO-3's parameter-offload hooks (_register_deepspeed_module, the coordinator's _invalidate_trace).
 

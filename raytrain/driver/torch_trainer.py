@@ -128,8 +128,9 @@ def _start_timeout_env(scaling) -> dict:
 
 
 class _RaytrainTorchTrainer(TorchTrainer):
-    """Ray's TorchTrainer with raytrain's elastic policy (elastic.py), the group-start timeout above, and
-    the controller's handle passed to on_controller (the driver's wait bound aborts the run through it)."""
+    """Ray's TorchTrainer with raytrain's elastic policy (elastic.py), the group-start timeout above, the
+    controller's handle passed to on_controller (the driver's wait bound aborts the run through it), and no
+    dataset actor for a run without Ray Datasets."""
 
     def __init__(self, *args, scaling=None, **kwargs):
         super().__init__(*args, **kwargs)
@@ -149,6 +150,16 @@ class _RaytrainTorchTrainer(TorchTrainer):
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
+
+    def _create_default_callbacks(self):
+        from ray.train.v2._internal.callbacks.datasets import DatasetsCallback
+
+        callbacks = super()._create_default_callbacks()
+        if self.datasets:
+            return callbacks
+        # Without Ray Datasets nothing asks for a shard: no DatasetManager actor (a process importing Ray Data,
+        # started again at every group start and restart)
+        return [c for c in callbacks if not isinstance(c, DatasetsCallback)]
 
     def _register_sigint_handler(self, controller):  # called with the controller's handle (main thread)
         super()._register_sigint_handler(controller)

@@ -96,8 +96,10 @@ def test_sigkill_sigterm_and_a_preemption_notice_restart_the_group_and_end_bit_e
     faults = [FaultInjector(1, 15, signal.SIGKILL, record_starts=False, after="checkpoint-10/manifest.json"),
               FaultInjector(0, 23, signal.SIGTERM, record_starts=False), PreemptionNotice(28)]
     trainer = Trainer(digits_model(), args, train_dataset=digits[0], callbacks=faults)
+    before = _dataset_actors()
     out = trainer.train()
     assert out.global_step == 30
+    assert _dataset_actors() == before  # four group starts, none with Ray Datasets: no dataset actor
     first, after_kill, after_term, after_notice = _starts(out_dir)
     assert (first, after_kill, after_notice) == (0, 10, 28)
     assert 23 <= after_term <= 26 and after_term % 10  # the step all ranks agree on after the signal
@@ -107,6 +109,12 @@ def test_sigkill_sigterm_and_a_preemption_notice_restart_the_group_and_end_bit_e
     assert {after_term, 28, 30} <= set(stored), stored  # reported to Ray once complete, the last ones too
     assert state_digest(trainer.model.state_dict()) == state_digest(reference.model.state_dict())
     assert _losses(trainer) == _losses(reference)
+
+
+def _dataset_actors() -> int:
+    import ray
+
+    return sum(a["ActorClassName"] == "DatasetManager" for a in ray._private.state.actors().values())
 
 
 def test_worker_errors_surface_as_the_users_exception():
