@@ -42,6 +42,36 @@ def ray_cluster():
     ray.shutdown()
 
 
+#: The test files whose trainers run in the session's one Ray Train worker group (`worker_group`), in this order:
+#: the parts through loop.train first (they report nothing to Ray), the one that reports a checkpoint to Ray last (a
+#: later run of the group would start from it). They share the xdist group "worker_group".
+WORKER_GROUP = ["strategies/test_backends.py", "hf/test_peft_on_ray.py", "hf/test_trl_on_ray.py", "hf/test_moe_loss.py",
+                "hf/test_seq2seq.py", "hf/test_async_grpo_on_ray.py", "hf/test_grpo_backends_on_ray.py"]
+
+
+@pytest.fixture(scope="session")
+def worker_group(request, ray_cluster, tmp_path_factory):
+    """One TorchTrainer of 2 workers for the session (a group start costs ~30 s here): each collected file of
+    WORKER_GROUP whose tests use it gives `group_part(root) -> (worker function "module:name", its config)`; the
+    parts run one after the other on the same workers. {file: (its root, rank 0's return value)}: tests/group.part."""
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from tests.group import key, run_parts
+
+    modules = {key(item.module.__file__): item.module for item in request.session.items
+               if "worker_group" in item.fixturenames}
+    unlisted = sorted(set(modules) - set(WORKER_GROUP))
+    assert not unlisted, f"add {unlisted} to WORKER_GROUP in tests/conftest.py (the parts' order)"
+    root = tmp_path_factory.mktemp("worker_group")
+    roots = {name: root / os.path.basename(name)[:-3] for name in WORKER_GROUP if name in modules}
+    parts = {name: modules[name].group_part(where) for name, where in roots.items()}
+    group = TorchTrainer(run_parts, train_loop_config={"parts": parts}, scaling_config=ScalingConfig(num_workers=2),
+                         run_config=RunConfig(name="worker_group", storage_path=str(root / "ray")))
+    values = group.fit().return_value
+    return {name: (where, values[name]) for name, where in roots.items()}
+
+
 @pytest.fixture
 def digits():
     from examples.digits import build_datasets

@@ -28,8 +28,8 @@ def _job(out, delay: float, *more: str) -> list[str]:
             "--set", f"output_dir={out}", "--no-report", *more]
 
 
-def _popen(argv: list[str]) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
+def _popen(argv: list[str], **more_env: str) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1", **more_env}
     return subprocess.Popen([sys.executable, "-m", "raytrain.run", *argv], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE)
 
@@ -131,11 +131,13 @@ def test_ctrl_c_before_training_is_one_line(tmp_path):
 
 @pytest.mark.ray
 @pytest.mark.timeout(300)
-def test_ctrl_c_on_the_driver_of_a_ray_run_makes_the_workers_save(tmp_path):
+def test_ctrl_c_on_the_driver_of_a_ray_run_makes_the_workers_save(ray_cluster, tmp_path):
     # Ray's own SIGINT handler would abort the workers at once; raytrain's sends them SIGTERM instead,
-    # so they save at the next step boundary (as for a spot preemption), then ends the run.
+    # so they save at the next step boundary (as for a spot preemption), then ends the run. The run joins the
+    # session's cluster (test_quiet.py runs the CLI on a cluster it starts).
     out = tmp_path / "o"
-    p = _popen(_job(out, 0.05, "--set", "scaling.num_workers=2"))
+    p = _popen(_job(out, 0.05, "--set", "scaling.num_workers=2"),
+               RAY_ADDRESS=ray_cluster.get_runtime_context().gcs_address)
     err = _signal_at_step(p, 5, signal.SIGINT)  # rank 0's progress, drawn by the driver
     assert p.returncode == 130, err[-3000:]
     assert "sent SIGTERM to 2 Ray Train worker(s): each saves and stops" in err
@@ -153,8 +155,8 @@ def test_ctrl_c_on_the_driver_of_a_ray_run_makes_the_workers_save(tmp_path):
                      r"raytrain\.run .*", line)
     assert m and m.group(1).startswith(str(out)), line
     assert 5 <= int(m.group(2)) < 46 and verify_checkpoint(m.group(1))["global_step"] == int(m.group(2))
-    # Output to pipes (not a tty), a local cluster started by the run: no colour codes, no PreemptionWatcher
-    # or token-authentication lines, no HF info blocks (test_quiet.py: a clean run's lines).
+    # Output to pipes (not a tty): no colour codes, no PreemptionWatcher or token-authentication lines, no HF
+    # info blocks (test_quiet.py: a clean run's lines).
     raw = err + p.stdout_text
     assert "\x1b" not in raw and "PreemptionWatcher" not in raw and "Token authentication" not in raw, raw[-3000:]
     assert "***** Running" not in raw, raw[-3000:]  # HF's info blocks need log_level info

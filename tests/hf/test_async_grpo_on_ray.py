@@ -12,11 +12,12 @@ import os
 import pytest
 import torch
 
+from tests.group import part
 from tests.hf import async_grpo_jobs as jobs
 from tests.hf.test_async_grpo import reference  # noqa: F401  (the module's fixture: the local run)
 
 pytest.importorskip("trl")
-pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("async_grpo_on_ray")]
+pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("worker_group")]
 
 
 def _equal_weights(a: dict, b: dict) -> None:
@@ -118,17 +119,16 @@ def test_a_driver_sigkilled_at_a_save_resumes_to_the_same_run(ray_cluster, refer
     _equal_weights(jobs.weights(resumed.model), reference["weights"])
 
 
-@pytest.mark.timeout(900)
-def test_two_trainer_workers_with_rollout_actors_match_one_process(ray_cluster, reference, tmp_path):  # noqa: F811
+def group_part(root):
+    """This module's runs in the session's worker group (conftest.py)."""
+    return "tests.hf.async_grpo_jobs:run_cases", {"cases": jobs.worker_cases(str(root))}
+
+
+@pytest.mark.timeout(900)  # the first test of the worker group waits for all of it
+def test_two_trainer_workers_with_rollout_actors_match_one_process(worker_group, reference):  # noqa: F811
     """DDP (2 rollout actors), FSDP2 and ZeRO-3 (1 each) on 2 Ray Train workers (per-device batch 2): the same
     global batch as the local run (per-device 4), so the same losses and weights within 1e-5; the reward rises."""
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
-    config = {"cases": jobs.worker_cases(str(tmp_path))}
-    group = TorchTrainer(jobs.run_cases, train_loop_config=config, scaling_config=ScalingConfig(num_workers=2),
-                         run_config=RunConfig(name="async_grpo_on_ray", storage_path=str(tmp_path / "ray")))
-    results = group.fit().return_value
+    _, results = part(worker_group, __file__)
     for name in jobs.BACKENDS:
         logs, want = jobs.steps(results[name]["log"]), reference["steps"]
         assert [e["step"] for e in logs] == [e["step"] for e in want], name

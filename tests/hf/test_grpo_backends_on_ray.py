@@ -10,10 +10,11 @@ import os
 
 import pytest
 
+from tests.group import part
 from tests.hf import grpo_ray_jobs as jobs  # by this name on the Ray workers too
 
 pytest.importorskip("trl")
-pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("grpo_backends_on_ray")]
+pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("worker_group")]
 
 
 def _close(a: list[dict], b: list[dict], tol: float = 1e-5) -> None:
@@ -24,23 +25,22 @@ def _close(a: list[dict], b: list[dict], tol: float = 1e-5) -> None:
             assert x[k] == pytest.approx(y[k], abs=tol, rel=tol), (k, x, y)
 
 
-@pytest.fixture(scope="module")
-def two_workers(ray_cluster, tmp_path_factory):
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
+def group_part(root):
+    """This module's runs in the session's worker group (conftest.py), with the tiny model they all start from."""
     from tests.hf import grpo_jobs
 
-    root = tmp_path_factory.mktemp("grpo_backends_on_ray")
     model = grpo_jobs.save_tiny_model(str(root / "tiny"))
     config = {"root": str(root), "model": model, "cases": jobs.worker_cases(str(root), model)}
-    trainer = TorchTrainer(jobs.run_on_two_workers, train_loop_config=config,
-                           scaling_config=ScalingConfig(num_workers=2),
-                           run_config=RunConfig(name="grpo_backends_on_ray", storage_path=str(root / "ray")))
-    return root, model, trainer.fit().return_value
+    return "tests.hf.grpo_ray_jobs:run_on_two_workers", config
 
 
-@pytest.mark.timeout(600)
+@pytest.fixture(scope="module")
+def two_workers(worker_group):
+    root, results = part(worker_group, __file__)
+    return root, str(root / "tiny"), results
+
+
+@pytest.mark.timeout(900)  # the first test of the worker group waits for all of it
 def test_ddp_on_two_workers_samples_and_logs_what_trl_does_on_two_processes(two_workers):
     """The same prompts, completions and rewards on each rank, every generation; every logged metric."""
     root, _, results = two_workers
@@ -52,7 +52,7 @@ def test_ddp_on_two_workers_samples_and_logs_what_trl_does_on_two_processes(two_
     _close(jobs.steps(results["ddp"]["log"]), jobs.steps(results["trl"]))
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("case", list(jobs.CASES))
 def test_two_workers_match_one_process_on_the_same_batch_and_completions(two_workers, tmp_path, case):
     """trl's GRPOTrainer in one process (per-device batch 4), given the completions the 2 workers sampled: the same
@@ -88,7 +88,7 @@ def test_two_workers_match_one_process_on_the_same_batch_and_completions(two_wor
         torch.testing.assert_close(v, want[k].detach().cpu(), rtol=1e-5, atol=1e-5, msg=k)
 
 
-@pytest.mark.timeout(600)  # as the others on two_workers: conftest's order keeps them together (one worker group)
+@pytest.mark.timeout(900)
 def test_generation_under_fsdp2_and_zero3_runs_no_collective(two_workers):
     """Rank 0 generated 6 tokens inside Strategy.full_parameters while rank 1 generated none (no rank waited for
     the other), the unsharded model's tokens."""
@@ -97,7 +97,7 @@ def test_generation_under_fsdp2_and_zero3_runs_no_collective(two_workers):
         assert tokens["got"] == tokens["want"] and len(tokens["want"]) == 11, backend
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(900)
 def test_reference_models_are_sharded_as_the_trained_model_is(two_workers):
     """Strategy.place_frozen (the reference and reward models of GRPO, RLOO and DPO): whole under DDP, about half
     the elements per rank on 2 workers under FSDP2 and ZeRO-3 (TRL's prepare_fsdp / prepare_deepspeed), the whole

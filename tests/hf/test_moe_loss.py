@@ -96,28 +96,62 @@ def _accelerate_batches(n, batch_size, rank, seed) -> list[list[int]]:
     return [b.tolist() for b in loader]
 
 
-@pytest.mark.ray
-@pytest.mark.timeout(600)
-@pytest.mark.parametrize("kind", ["qwen3_moe", pytest.param("mixtral", marks=pytest.mark.long)])
-def test_two_workers_train_moe_as_hf_on_two_processes(ray_cluster, kind, tmp_path):
-    """accelerator_config split_batches on 2 Ray workers: each rank takes half of each global batch of 4 that
-    accelerate gives it (19 rows: the last batch filled from the epoch's start, even_batches; the seedable
-    sampler's order), and the losses are those HF's compute_loss gives on 2 processes (router loss included)."""
+def _two_workers(kind: str, out) -> tuple:
+    """accelerator_config split_batches on 2 Ray workers, each training forward's rows recorded."""
     from raytrain import Trainer, TrainingArguments
 
-    record = tmp_path / "rows"
-    record.mkdir()
+    record = out / "rows"
+    record.mkdir(parents=True)
     net = jobs.model(kind)
     net.register_forward_pre_hook(jobs.RecordRows(str(record)), with_kwargs=True)
-    args = TrainingArguments(str(tmp_path / "rt"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+    args = TrainingArguments(str(out / "rt"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
                              num_train_epochs=1, data_order="hf", accelerator_config={"split_batches": True},
                              scaling={"num_workers": 2}, **jobs.COMMON)
     rows = jobs.Rows(19)
-    trainer = Trainer(model=net, args=args, train_dataset=rows)
-    trainer.train()
+    return Trainer(model=net, args=args, train_dataset=rows), record, rows
+
+
+def _check_two_workers(kind: str, trainer, record, rows, out) -> None:
+    """Each rank took half of each global batch of 4 that accelerate gives it (19 rows: the last batch filled from
+    the epoch's start, even_batches; the seedable sampler's order), and the losses are those HF's compute_loss gives
+    on 2 processes (router loss included)."""
     seen = _rows_seen(record, rows)
     assert seen == {rank: _accelerate_batches(19, 4, rank, seed=0) for rank in (0, 1)}
     assert [len(b) for b in seen[0]] == [2] * 5
-    want = jobs.two_process_oracle(kind, rows, seen, 2, str(tmp_path / "oracle"))
+    want = jobs.two_process_oracle(kind, rows, seen, 2, str(out / "oracle"))
     got = jobs.losses(trainer)
     assert len(got) == 3 and got == pytest.approx(want, abs=1e-5)
+
+
+_SHIPPED: dict = {}
+
+
+def group_part(root):
+    """The Qwen3-MoE run in the session's worker group (conftest.py), shipped as Trainer.train ships it."""
+    from tests.group import ship
+
+    _SHIPPED["qwen3_moe"] = _two_workers("qwen3_moe", root)
+    return "tests.group:run_cases", {"cases": {"qwen3_moe": ship(_SHIPPED["qwen3_moe"][0], "qwen3_moe")}}
+
+
+@pytest.mark.ray
+@pytest.mark.xdist_group("worker_group")
+@pytest.mark.timeout(900)  # the first test of the worker group waits for all of it
+def test_two_workers_train_moe_as_hf_on_two_processes(worker_group):
+    """Qwen3-MoE on 2 Ray workers (the session's worker group), then in the driver's trainer as Trainer.train
+    leaves it."""
+    from tests.group import land, part
+
+    root, values = part(worker_group, __file__)
+    trainer, record, rows = _SHIPPED["qwen3_moe"]
+    assert land(trainer, values["qwen3_moe"]).global_step == 3
+    _check_two_workers("qwen3_moe", trainer, record, rows, root)
+
+
+@pytest.mark.ray
+@pytest.mark.long  # a second architecture's router loss on workers: test_two_workers_train_moe_as_hf_on_two_processes
+@pytest.mark.timeout(600)
+def test_two_workers_train_mixtral_as_hf_on_two_processes(ray_cluster, tmp_path):
+    trainer, record, rows = _two_workers("mixtral", tmp_path)
+    trainer.train()
+    _check_two_workers("mixtral", trainer, record, rows, tmp_path)

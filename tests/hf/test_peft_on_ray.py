@@ -1,4 +1,4 @@
-"""LoRA on 2 Ray Train workers: DDP / FSDP2 / ZeRO-3 in one worker group, and the script unchanged but for
+"""LoRA on 2 Ray Train workers: DDP / FSDP2 / ZeRO-3 in the session's worker group, and the script unchanged but for
 scaling, its rank 1 SIGKILLed; each run's adapter is gathered on rank 0, saved as PEFT writes it and loads
 with PeftModel.from_pretrained, reproducing the trained model; the losses are one process's."""
 
@@ -10,10 +10,11 @@ import signal
 import pytest
 import torch
 
+from tests.group import part
 from tests.hf import peft_jobs  # by this name on the Ray workers too
 
 pytest.importorskip("peft")
-pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("peft_on_ray")]
+pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("worker_group")]
 ADAPTER = {"adapter_config.json", "adapter_model.safetensors"}
 
 
@@ -44,19 +45,17 @@ def losses(trainer):
     return [h["loss"] for h in trainer.state.log_history if "loss" in h]
 
 
+def group_part(root):
+    """This module's runs in the session's worker group (conftest.py)."""
+    return "tests.hf.peft_jobs:run_lora_backends", {"root": str(root)}
+
+
 @pytest.fixture(scope="module")
-def backends(ray_cluster, tmp_path_factory):
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
-    root = tmp_path_factory.mktemp("lora_backends")
-    trainer = TorchTrainer(peft_jobs.run_lora_backends, train_loop_config={"root": str(root)},
-                           scaling_config=ScalingConfig(num_workers=2),
-                           run_config=RunConfig(name="lora_backends", storage_path=str(root / "ray")))
-    return root, trainer.fit().return_value
+def backends(worker_group):
+    return part(worker_group, __file__)
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(900)  # the first test of the worker group waits for all of it
 def test_lora_under_ddp_fsdp2_and_zero3_gathers_the_adapter_on_rank_0(backends, one_process):
     root, results = backends
     rows, want = peft_jobs.lm_rows(), logits(one_process.model, peft_jobs.lm_rows())
@@ -69,6 +68,7 @@ def test_lora_under_ddp_fsdp2_and_zero3_gathers_the_adapter_on_rank_0(backends, 
             torch.testing.assert_close(logits(from_pretrained(path), rows), want, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.timeout(900)
 def test_a_full_model_saved_by_ddp_fsdp2_and_zero3_loads_with_from_pretrained(backends):
     """Unwrapped from each backend, final/ is what from_pretrained loads: no key missing or unexpected, the
     weights of the run's last checkpoint."""

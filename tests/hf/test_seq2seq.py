@@ -242,12 +242,15 @@ def test_generation_config_is_loaded_like_transformers(tmp_path):
 # --- on Ray workers ---------------------------------------------------------------------------------------
 
 
-@pytest.mark.ray
-@pytest.mark.timeout(300)
-def test_seq2seq_trainer_generates_on_two_ray_workers(ray_cluster, tmp_path):
+_SHIPPED: dict = {}
+
+
+def group_part(root):
+    """The T5 run in the session's worker group (conftest.py), shipped as Trainer.train ships it."""
     from transformers import DataCollatorForSeq2Seq
 
     from raytrain import Seq2SeqTrainer, Seq2SeqTrainingArguments
+    from tests.group import ship
 
     def shapes(p):  # defined here: pickled by value for the workers, as HF scripts' own functions are
         return {"pred_ndim": float(p.predictions.ndim), "pred_width": float(p.predictions.shape[-1]),
@@ -256,13 +259,26 @@ def test_seq2seq_trainer_generates_on_two_ray_workers(ray_cluster, tmp_path):
     tok = corpus.tokenizer()
     model = t5(tok)
     args = Seq2SeqTrainingArguments(
-        str(tmp_path / "out"), predict_with_generate=True, generation_max_length=24, per_device_train_batch_size=8,
+        str(root / "out"), predict_with_generate=True, generation_max_length=24, per_device_train_batch_size=8,
         max_steps=6, learning_rate=3e-3, eval_strategy="steps", eval_steps=3, save_strategy="no",
         scaling={"num_workers": 2}, **COMMON)
     trainer = Seq2SeqTrainer(model=model, args=args, train_dataset=reverse_task(96, seed=0),
                              eval_dataset=reverse_task(16, seed=1), processing_class=tok,
                              data_collator=DataCollatorForSeq2Seq(tok, model=model), compute_metrics=shapes)
-    out = trainer.train()
+    _SHIPPED["t5"] = trainer
+    return "tests.group:run_cases", {"cases": {"t5": ship(trainer, "t5")}}
+
+
+@pytest.mark.ray
+@pytest.mark.xdist_group("worker_group")
+@pytest.mark.timeout(900)  # the first test of the worker group waits for all of it
+def test_seq2seq_trainer_generates_on_two_ray_workers(worker_group):
+    """On 2 Ray workers (the session's worker group), then in the driver's trainer as Trainer.train leaves it."""
+    from tests.group import land, part
+
+    _, values = part(worker_group, __file__)
+    trainer = _SHIPPED["t5"]
+    out = land(trainer, values["t5"])
     assert out.global_step == 6
     evals = [h for h in trainer.state.log_history if "eval_loss" in h]
     assert [h["step"] for h in evals] == [3, 6]

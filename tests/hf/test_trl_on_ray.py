@@ -10,10 +10,11 @@ import os
 
 import pytest
 
+from tests.group import part
 from tests.hf import trl_jobs as jobs  # by this name on the Ray workers too
 
 pytest.importorskip("trl")
-pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("trl_on_ray")]
+pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("worker_group")]
 
 
 def _close(a, b, tol=1e-5):
@@ -53,46 +54,35 @@ def _theirs(kind: str, out) -> list[dict]:
     return jobs.steps(theirs, keys)
 
 
-@pytest.mark.timeout(300)
-def test_trl_script_on_two_workers_matches_trl_in_one_process(ray_cluster, tmp_path):
-    """SFT under DDP, launched as a Ray run is (Trainer.train on the driver): the driver's trainer ends with rank 0's
-    log history."""
-    ours = _ours("sft", "ddp", tmp_path)
-    ours.train()
-    assert sorted(os.listdir(tmp_path / "ranks")) == ["rank-0-of-2", "rank-1-of-2"]
-    _close(jobs.steps(ours, jobs.STEP_KEYS), _theirs("sft", tmp_path))
+#: the scripts and backends, in the session's worker group (conftest.py; a TorchTrainer start costs ~30 s here):
+#: ZeRO-3 first, as in test_grpo_backends_on_ray.py
+SHARED = {"dpo-zero3": ("dpo", "zero3"), "sft-ddp": ("sft", "ddp"), "sft-fsdp2": ("sft", "fsdp2"),
+          "dpo-ref-fsdp2": ("dpo-ref", "fsdp2")}
 
 
-#: the other scripts and backends, in one worker group (a TorchTrainer start costs ~30 s here): ZeRO-3 first, as
-#: in test_grpo_backends_on_ray.py
-SHARED = {"dpo-zero3": ("dpo", "zero3"), "sft-fsdp2": ("sft", "fsdp2"), "dpo-ref-fsdp2": ("dpo-ref", "fsdp2")}
-
-
-@pytest.fixture(scope="module")
-def one_group(ray_cluster, tmp_path_factory):
+def group_part(root):
     """Each case's trainer built on the driver and pickled as a Ray run ships it, run by the workers' own function
-    (ray_worker.train_loop_per_worker) one after the other on one group of 2 workers; rank 0's log histories."""
+    (ray_worker.train_loop_per_worker) one after the other; rank 0's log histories."""
     import copy
-
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
 
     from raytrain.worker.ray_worker import pickle_trainer
 
-    root = tmp_path_factory.mktemp("trl_on_ray")
     cases = {}
     for name, (kind, backend) in SHARED.items():
         trainer = _ours(kind, backend, root / name)
         cases[name] = {"trainer": pickle_trainer(trainer, copy.deepcopy(trainer.args)), "resume_from_checkpoint": None,
                        "run": name, "threads": None}
-    group = TorchTrainer(jobs.run_cases, train_loop_config={"cases": cases}, scaling_config=ScalingConfig(num_workers=2),
-                         run_config=RunConfig(name="trl_on_ray", storage_path=str(root / "ray")))
-    return root, group.fit().return_value
+    return "tests.hf.trl_jobs:run_cases", {"cases": cases}
 
 
-@pytest.mark.timeout(600)
+@pytest.fixture(scope="module")
+def one_group(worker_group):
+    return part(worker_group, __file__)
+
+
+@pytest.mark.timeout(900)  # the first test of the worker group waits for all of it
 @pytest.mark.parametrize("case", list(SHARED))
-def test_trl_scripts_under_fsdp2_and_zero3_on_two_workers_match_trl_in_one_process(one_group, tmp_path, case):
+def test_trl_scripts_on_two_workers_match_trl_in_one_process(one_group, tmp_path, case):
     root, logs = one_group
     kind, _ = SHARED[case]
     assert sorted(os.listdir(root / case / "ranks")) == ["rank-0-of-2", "rank-1-of-2"]

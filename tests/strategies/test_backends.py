@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from raytrain import Trainer, load_weights
-from tests.strategies._helpers import digits_args, digits_model, run_backends, state_digest
+from tests.group import part
+from tests.strategies._helpers import digits_args, digits_model, state_digest
 
-# One worker computes the module fixtures under pytest-xdist (--dist loadgroup).
-pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("backends")]
+# The runs share the session's worker group (conftest.py): one pytest process computes it (--dist loadgroup).
+pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("worker_group")]
 
 BACKENDS = {
     "fsdp": {"distributed": {"strategy": "fsdp", "fsdp": {"min_num_params": 2000}}},
@@ -27,12 +28,8 @@ BACKENDS = {
 }
 
 
-@pytest.fixture(scope="module")
-def backend_runs(ray_cluster, tmp_path_factory):
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
-    root = tmp_path_factory.mktemp("backends")
+def group_part(root):
+    """This module's runs in the session's worker group (conftest.py)."""
     runs = [{"name": name, "output_dir": str(root / name), "args": args} for name, args in BACKENDS.items()]
     runs += [
         # FSDP's sharded (DCP) optimizer state, resumed by DDP; DeepSpeed refuses it with a clear error.
@@ -41,10 +38,12 @@ def backend_runs(ray_cluster, tmp_path_factory):
          "args": {"distributed": BACKENDS["zero2"]["distributed"]},
          "resume": str(root / "fsdp" / "checkpoint-10")},
     ]
-    trainer = TorchTrainer(run_backends, train_loop_config={"runs": runs},
-                           scaling_config=ScalingConfig(num_workers=2),
-                           run_config=RunConfig(name="backends", storage_path=str(root / "ray")))
-    return root, trainer.fit().return_value
+    return "tests.strategies._helpers:run_backends", {"runs": runs}
+
+
+@pytest.fixture(scope="module")
+def backend_runs(worker_group):
+    return part(worker_group, __file__)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +59,7 @@ def single_process(tmp_path_factory):
     return trainer
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(900)  # the first test of the worker group waits for all of it
 @pytest.mark.parametrize("name", list(BACKENDS))
 def test_backend_trains_and_consolidates(backend_runs, single_process, name):
     root, results = backend_runs
@@ -86,6 +85,7 @@ def test_backend_trains_and_consolidates(backend_runs, single_process, name):
         assert result["shm_kernel"] is False
 
 
+@pytest.mark.timeout(900)
 def test_cross_backend_resume(backend_runs):
     root, results = backend_runs
     resumed = results["fsdp_to_ddp"]
