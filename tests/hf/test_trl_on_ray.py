@@ -61,23 +61,21 @@ SHARED = {"dpo-zero3": ("dpo", "zero3"), "sft-ddp": ("sft", "ddp"), "sft-fsdp2":
 
 
 def group_part(root):
-    """Each case's trainer built on the driver and pickled as a Ray run ships it, run by the workers' own function
-    (ray_worker.train_loop_per_worker) one after the other; rank 0's log histories."""
-    import copy
+    """Each case's trainer built on the driver and shipped as a Ray run ships it (tests/group.py), run by the
+    workers' own function one after the other."""
+    from tests.group import ship
 
-    from raytrain.worker.ray_worker import pickle_trainer
-
-    cases = {}
-    for name, (kind, backend) in SHARED.items():
-        trainer = _ours(kind, backend, root / name)
-        cases[name] = {"trainer": pickle_trainer(trainer, copy.deepcopy(trainer.args)), "resume_from_checkpoint": None,
-                       "run": name, "threads": None}
-    return "tests.hf.trl_jobs:run_cases", {"cases": cases}
+    return "tests.group:run_cases", {"cases": {name: ship(_ours(kind, backend, root / name), name)
+                                               for name, (kind, backend) in SHARED.items()}}
 
 
 @pytest.fixture(scope="module")
 def one_group(worker_group):
-    return part(worker_group, __file__)
+    """The group's root and rank 0's log history of each case."""
+    import json
+
+    root, values = part(worker_group, __file__)
+    return root, {name: json.loads(value["state"])["log_history"] for name, value in values.items()}
 
 
 @pytest.mark.timeout(900)  # the first test of the worker group waits for all of it

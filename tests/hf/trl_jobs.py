@@ -68,23 +68,6 @@ def log_steps(log_history: list[dict], keys=STEP_KEYS) -> list[dict]:
     return [{k: e[k] for k in keys if k in e} | {"step": e["step"]} for e in log_history if "loss" in e]
 
 
-def run_cases(config: dict) -> dict | None:
-    """A Ray Train worker function: each of config["cases"] (a trainer pickled on the driver, as a Ray run ships
-    it) through the workers' own function, one after the other in this worker group. Rank 0 returns each run's
-    log history."""
-    import json
-
-    import torch.distributed as dist
-
-    from raytrain.worker.ray_worker import train_loop_per_worker
-
-    out = {}
-    for name, case in config["cases"].items():
-        value = train_loop_per_worker(case)  # rank 0's: the state and the final weights
-        out[name] = json.loads(value["state"])["log_history"] if value else None
-    return out if dist.get_rank() == 0 else None
-
-
 class RankMarker:
     """A callback writing `rank-R-of-W` into `folder` when training starts: which processes trained."""
 
