@@ -95,37 +95,15 @@ ACTORS = {"ddp": 2, "fsdp2": 1, "zero3": 1}
 
 
 def worker_cases(root: str) -> dict:
-    """On the driver: each backend's trainer (2 workers, half the per-device batch; ACTORS rollout actors) pickled
-    as a Ray run ships it."""
-    import copy
+    """On the driver: each backend's trainer (2 workers, half the per-device batch; ACTORS rollout actors) shipped
+    as a Ray run ships it (tests/group.py)."""
     import os
 
-    from raytrain.worker.ray_worker import pickle_trainer
+    from tests.group import ship
 
-    cases = {}
-    for name, backend in BACKENDS.items():
-        t = trainer(os.path.join(root, name), workers=ACTORS[name], per_device_train_batch_size=2,
-                    scaling={"num_workers": 2}, distributed=backend)
-        cases[name] = {"trainer": pickle_trainer(t, copy.deepcopy(t.args)), "resume_from_checkpoint": None,
-                       "run": name, "threads": None}
-    return cases
-
-
-def run_cases(config: dict) -> dict | None:
-    """A Ray Train worker function: each case through the workers' own function; rank 0 returns each run's log
-    history and final weights."""
-    import json
-
-    import torch.distributed as dist
-
-    from raytrain.worker.ray_worker import train_loop_per_worker
-
-    results = {}
-    for name, case in config["cases"].items():
-        value = train_loop_per_worker(case)
-        results[name] = {"log": json.loads(value["state"])["log_history"], "weights": value["weights"]} \
-            if value else None
-    return results if dist.get_rank() == 0 else None
+    return {name: ship(trainer(os.path.join(root, name), workers=ACTORS[name], per_device_train_batch_size=2,
+                               scaling={"num_workers": 2}, distributed=backend), name)
+            for name, backend in BACKENDS.items()}
 
 
 class KillOnce(TrainerCallback):

@@ -121,16 +121,18 @@ def test_a_driver_sigkilled_at_a_save_resumes_to_the_same_run(ray_cluster, refer
 
 def group_part(root):
     """This module's runs in the session's worker group (conftest.py)."""
-    return "tests.hf.async_grpo_jobs:run_cases", {"cases": jobs.worker_cases(str(root))}
+    return "tests.group:run_cases", {"cases": jobs.worker_cases(str(root))}
 
 
 @pytest.mark.timeout(900)  # the first test of the worker group waits for all of it
 def test_two_trainer_workers_with_rollout_actors_match_one_process(worker_group, reference):  # noqa: F811
     """DDP (2 rollout actors), FSDP2 and ZeRO-3 (1 each) on 2 Ray Train workers (per-device batch 2): the same
     global batch as the local run (per-device 4), so the same losses and weights within 1e-5; the reward rises."""
+    import json
+
     _, results = part(worker_group, __file__)
     for name in jobs.BACKENDS:
-        logs, want = jobs.steps(results[name]["log"]), reference["steps"]
+        logs, want = jobs.steps(json.loads(results[name]["state"])["log_history"]), reference["steps"]
         assert [e["step"] for e in logs] == [e["step"] for e in want], name
         for got, ref in zip(logs, want):
             for key in ("loss", "reward", "grad_norm", "kl", "sample/staleness_max"):
