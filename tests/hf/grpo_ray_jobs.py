@@ -7,7 +7,6 @@ repo root)."""
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 
@@ -93,8 +92,9 @@ def ray_trainer(out: str, model_path: str, peft: bool = False, **kw):
 
 
 def worker_cases(root: str, model_path: str) -> dict:
-    """On the driver: each case's trainer (2 workers, half the per-device batch) pickled as a Ray run ships it."""
-    from raytrain.worker.ray_worker import pickle_trainer
+    """On the driver: each case's trainer (2 workers, half the per-device batch) shipped as a Ray run ships it
+    (tests/group.py)."""
+    from tests.group import ship
 
     cases = {}
     for name, (backend, peft) in CASES.items():
@@ -104,8 +104,7 @@ def worker_cases(root: str, model_path: str) -> dict:
             saves["ds3_gather_for_generation"] = False
         trainer = _trainer("rt", out, model_path, peft, per_device_train_batch_size=2,
                            scaling={"num_workers": 2}, distributed=BACKENDS[backend], **RUN, **saves)
-        cases[name] = {"trainer": pickle_trainer(trainer, copy.deepcopy(trainer.args)), "resume_from_checkpoint": None,
-                       "run": name, "threads": None}
+        cases[name] = ship(trainer, name)
     return cases
 
 
