@@ -1,8 +1,9 @@
 """The laptop twin of cluster.yaml (raytrain.cli.local_cluster): Ray's own autoscaler launching and releasing
-worker nodes as local processes. On it: a request beyond its autoscaler's limits refused in one line; a run
-on two launched nodes loses one with the capacity off (scaling.max_wait_s ends its restart's wait in one
-line); the same run resumed later from its checkpoint, its line showing the autoscaler's launches; the idle
-nodes released."""
+worker nodes as local processes. On it: a request beyond its autoscaler's limits refused in one line; two nodes
+launched for a demand, one lost with the capacity off and the failing launches in raytrain's waiting line, the
+launch once capacity is back shown pending; the idle nodes released. The long run: a training run on two launched
+nodes loses one with the capacity off (scaling.max_wait_s ends its restart's wait in one line); the same run resumed
+later from its checkpoint, its line showing the autoscaler's launches."""
 
 from __future__ import annotations
 
@@ -81,6 +82,94 @@ request_resources(bundles=[])
 """
 
 
+_WATCH = r"""
+import json, sys, time, ray
+from ray.autoscaler.sdk import request_resources
+from raytrain.config.sections import ConfigError, ScalingConfig
+from raytrain.driver.capacity import check_capacity
+from raytrain.driver.waiting import observe
+ray.init(address=sys.argv[1], log_to_driver=False)
+scaling = ScalingConfig(num_workers=2)
+def say(value):
+    print("watch:", json.dumps(value), flush=True)
+def until(done, seconds=240):
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        seen = observe(scaling, failures_after=since)
+        if done(seen):
+            return seen
+        time.sleep(0.5)
+try:  # a run asking one worker more than the autoscaler's limits (the CLI: exit 2)
+    check_capacity(ScalingConfig(num_workers=3))
+    say(None)
+except ConfigError as e:
+    say(str(e))
+sys.stdin.readline()
+since = time.time()
+request_resources(bundles=[{"CPU": 1}] * 2)  # two nodes launched for a demand
+say(until(lambda seen: seen is None and ray.cluster_resources().get("CPU", 0) >= 2) is None)
+sys.stdin.readline()  # one node lost, the capacity off: the autoscaler's replacement launches fail
+since = time.time()
+seen = until(lambda seen: seen is not None and seen.failing)
+say(seen and seen.line({"CPU": 1}, time.time() - since, None))
+sys.stdin.readline()  # capacity back: the replacement launched, pending until it joins
+pending = []
+until(lambda seen: pending.append(seen.line({"CPU": 1}, 0, None)) if seen and seen.pending else seen is None)
+say(pending)
+request_resources(bundles=[])
+"""
+
+
+@pytest.mark.ray
+@pytest.mark.timeout(300)
+def test_the_twins_autoscaler_launches_shows_failing_and_pending_launches_and_releases(tmp_path):
+    """Ray's autoscaler on the twin, as raytrain's driver reads it, without a training run (the long test below
+    trains through the same loss and relaunch)."""
+    shape = {"cluster_name": "t", "max_workers": 2, "head_node_type": "head",
+             "available_node_types": {"head": {"resources": {"CPU": 0}},
+                                      "spot": {"min_workers": 0, "max_workers": 2, "resources": {}}}}
+    with open(tmp_path / "cluster.yaml", "w") as f:
+        yaml.safe_dump(shape, f)
+    twin = LocalCluster(str(tmp_path / "cluster.yaml"), idle_timeout_s=4)
+    try:
+        twin.start()
+        watch = subprocess.Popen([sys.executable, "-c", _WATCH, twin.address], cwd=ROOT, env=twin.env(),
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+        def said(answer: str | None = "\n"):  # the watch's next answer (its other output: libraries' lines)
+            if answer is not None:
+                watch.stdin.write(answer)
+                watch.stdin.flush()
+            for line in watch.stdout:
+                if line.startswith("watch: "):
+                    return json.loads(line[len("watch: "):])
+            raise AssertionError(watch.communicate(timeout=30))
+
+        refused = said(None)
+        assert refused and refused.startswith(
+            "scaling.num_workers: asks 3 workers of {CPU: 1}, but the cluster holds at most 2 "
+            "(1 node(s) up, autoscaler node types spot, at most 2 worker nodes)") and "\n" not in refused, refused
+        assert not twin.worker_nodes()  # nothing launched for it
+        assert said() is True and len(twin.worker_nodes()) == 2
+        twin.capacity(False)
+        lost = twin.terminate(twin.worker_nodes()[-1])
+        assert re.fullmatch(r"waiting for workers: 2 wanted of \{CPU: 1\}, room for 1 on the 2 node\(s\) up, \d "
+                            r"node\(s\) pending, launches failing: spot: no capacity \(waited \d+ s\)", said()), lost
+        twin.capacity(True)
+        pending = said()
+        assert pending and all(re.fullmatch(r"waiting for workers: 2 wanted of \{CPU: 1\}, room for 1 on the 2 "
+                                            r"node\(s\) up, [12] node\(s\) pending(, launches failing: .*)? "
+                                            r"\(waited 0 s\)", line) for line in pending), pending
+        watch.communicate(timeout=60)
+        assert lost not in twin.worker_nodes()
+        ended = time.time()  # idle 4 s, then released (the monitor decides every second)
+        while twin.worker_nodes() and time.time() - ended < 90:
+            time.sleep(0.5)
+        assert not twin.worker_nodes()
+    finally:
+        twin.stop()
+
+
 def _result(spec: dict, proc: subprocess.Popen) -> tuple[dict, str]:
     proc.wait(300)
     with open(spec["result"]) as f, open(spec["result"] + ".log") as g:
@@ -88,6 +177,7 @@ def _result(spec: dict, proc: subprocess.Popen) -> tuple[dict, str]:
 
 
 @pytest.mark.ray
+@pytest.mark.long
 @pytest.mark.timeout(420)
 def test_a_run_on_the_twin_loses_a_node_waits_bounded_resumes_later_and_releases(tmp_path):
     shape = {"cluster_name": "t", "max_workers": 2, "head_node_type": "head",
