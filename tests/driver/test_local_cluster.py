@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -135,33 +137,44 @@ def test_the_twins_autoscaler_launches_shows_failing_and_pending_launches_and_re
         twin.start()
         watch = subprocess.Popen([sys.executable, "-c", _WATCH, twin.address], cwd=ROOT, env=twin.env(),
                                  stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        answers: queue.Queue = queue.Queue()  # the watch's answers (its other output: libraries' lines)
+        threading.Thread(target=lambda: [answers.put(json.loads(line[len("watch: "):])) for line in watch.stdout
+                                         if line.startswith("watch: ")], daemon=True).start()
 
-        def said(answer: str | None = "\n"):  # the watch's next answer (its other output: libraries' lines)
+        def said(answer: str | None = "\n", during=None, seconds: float = 240):
             if answer is not None:
                 watch.stdin.write(answer)
                 watch.stdin.flush()
-            for line in watch.stdout:
-                if line.startswith("watch: "):
-                    return json.loads(line[len("watch: "):])
-            raise AssertionError(watch.communicate(timeout=30))
+            deadline = time.time() + seconds
+            while True:
+                try:
+                    return answers.get(timeout=1)
+                except queue.Empty:
+                    assert watch.poll() is None and time.time() < deadline, watch.poll()
+                    if during is not None:
+                        during()
 
         refused = said(None)
         assert refused and refused.startswith(
             "scaling.num_workers: asks 3 workers of {CPU: 1}, but the cluster holds at most 2 "
             "(1 node(s) up, autoscaler node types spot, at most 2 worker nodes)") and "\n" not in refused, refused
         assert not twin.worker_nodes()  # nothing launched for it
-        assert said() is True and len(twin.worker_nodes()) == 2
+        assert said() is True and len(twin.worker_nodes()) >= 2
+        # The spot market runs dry, then every node but the oldest is terminated: under load the autoscaler v1 may
+        # have launched more than the demand asked (docs/distributed.md), and those go too.
         twin.capacity(False)
-        lost = twin.terminate(twin.worker_nodes()[-1])
-        assert re.fullmatch(r"waiting for workers: 2 wanted of \{CPU: 1\}, room for 1 on the 2 node\(s\) up, \d "
-                            r"node\(s\) pending, launches failing: spot: no capacity \(waited \d+ s\)", said()), lost
+        lost: set = set()
+        failing = said(during=lambda: lost.update(twin.terminate(n) for n in twin.worker_nodes()[1:]))
+        assert lost and re.fullmatch(r"waiting for workers: 2 wanted of \{CPU: 1\}, room for 1 on the \d node\(s\) up, "
+                                     r"\d node\(s\) pending, launches failing: spot: no capacity \(waited \d+ s\)",
+                                     failing or ""), failing
         twin.capacity(True)
         pending = said()
-        assert pending and all(re.fullmatch(r"waiting for workers: 2 wanted of \{CPU: 1\}, room for 1 on the 2 "
-                                            r"node\(s\) up, [12] node\(s\) pending(, launches failing: .*)? "
+        assert pending and all(re.fullmatch(r"waiting for workers: 2 wanted of \{CPU: 1\}, room for 1 on the \d "
+                                            r"node\(s\) up, \d node\(s\) pending(, launches failing: .*)? "
                                             r"\(waited 0 s\)", line) for line in pending), pending
-        watch.communicate(timeout=60)
-        assert lost not in twin.worker_nodes()
+        assert watch.wait(60) == 0
+        assert not lost & set(twin.worker_nodes())
         ended = time.time()  # idle 4 s, then released (the monitor decides every second)
         while twin.worker_nodes() and time.time() - ended < 90:
             time.sleep(0.5)
