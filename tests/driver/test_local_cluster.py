@@ -110,7 +110,7 @@ sys.stdin.readline()
 since = time.time()
 request_resources(bundles=[{"CPU": 1}] * 2)  # two nodes launched for a demand
 say(until(lambda seen: seen is None and ray.cluster_resources().get("CPU", 0) >= 2) is None)
-sys.stdin.readline()  # one node lost, the capacity off: the autoscaler's replacement launches fail
+sys.stdin.readline()  # nodes lost, the capacity off: the autoscaler's replacement launches fail
 since = time.time()
 seen = until(lambda seen: seen is not None and seen.failing)
 say(seen and seen.line({"CPU": 1}, time.time() - since, None))
@@ -132,7 +132,7 @@ def test_the_twins_autoscaler_launches_shows_failing_and_pending_launches_and_re
                                       "spot": {"min_workers": 0, "max_workers": 2, "resources": {}}}}
     with open(tmp_path / "cluster.yaml", "w") as f:
         yaml.safe_dump(shape, f)
-    twin = LocalCluster(str(tmp_path / "cluster.yaml"), idle_timeout_s=4)
+    twin, watch = LocalCluster(str(tmp_path / "cluster.yaml"), idle_timeout_s=4), None
     try:
         twin.start()
         watch = subprocess.Popen([sys.executable, "-c", _WATCH, twin.address], cwd=ROOT, env=twin.env(),
@@ -180,6 +180,8 @@ def test_the_twins_autoscaler_launches_shows_failing_and_pending_launches_and_re
             time.sleep(0.5)
         assert not twin.worker_nodes()
     finally:
+        if watch is not None and watch.poll() is None:
+            watch.kill()
         twin.stop()
 
 
