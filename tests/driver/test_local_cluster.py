@@ -84,6 +84,16 @@ request_resources(bundles=[])
 """
 
 
+def _twin(tmp_path) -> LocalCluster:
+    """A twin of a cluster.yaml with up to 2 one-CPU spot nodes (the head holds no CPU), released after 4 s idle."""
+    shape = {"cluster_name": "t", "max_workers": 2, "head_node_type": "head",
+             "available_node_types": {"head": {"resources": {"CPU": 0}},
+                                      "spot": {"min_workers": 0, "max_workers": 2, "resources": {}}}}
+    with open(tmp_path / "cluster.yaml", "w") as f:
+        yaml.safe_dump(shape, f)
+    return LocalCluster(str(tmp_path / "cluster.yaml"), idle_timeout_s=4)
+
+
 _WATCH = r"""
 import json, sys, time, ray
 from ray.autoscaler.sdk import request_resources
@@ -116,7 +126,11 @@ seen = until(lambda seen: seen is not None and seen.failing)
 say(seen and seen.line({"CPU": 1}, time.time() - since, None))
 sys.stdin.readline()  # capacity back: the replacement launched, pending until it joins
 pending = []
-until(lambda seen: pending.append(seen.line({"CPU": 1}, 0, None)) if seen and seen.pending else seen is None)
+def joined(seen):
+    if seen is not None and seen.pending:
+        pending.append(seen.line({"CPU": 1}, 0, None))
+    return seen is None
+until(joined)
 say(pending)
 request_resources(bundles=[])
 """
@@ -127,12 +141,7 @@ request_resources(bundles=[])
 def test_the_twins_autoscaler_launches_shows_failing_and_pending_launches_and_releases(tmp_path):
     """Ray's autoscaler on the twin, as raytrain's driver reads it, without a training run (the long test below
     trains through the same loss and relaunch)."""
-    shape = {"cluster_name": "t", "max_workers": 2, "head_node_type": "head",
-             "available_node_types": {"head": {"resources": {"CPU": 0}},
-                                      "spot": {"min_workers": 0, "max_workers": 2, "resources": {}}}}
-    with open(tmp_path / "cluster.yaml", "w") as f:
-        yaml.safe_dump(shape, f)
-    twin, watch = LocalCluster(str(tmp_path / "cluster.yaml"), idle_timeout_s=4), None
+    twin, watch = _twin(tmp_path), None
     try:
         twin.start()
         watch = subprocess.Popen([sys.executable, "-c", _WATCH, twin.address], cwd=ROOT, env=twin.env(),
@@ -195,12 +204,7 @@ def _result(spec: dict, proc: subprocess.Popen) -> tuple[dict, str]:
 @pytest.mark.long
 @pytest.mark.timeout(420)
 def test_a_run_on_the_twin_loses_a_node_waits_bounded_resumes_later_and_releases(tmp_path):
-    shape = {"cluster_name": "t", "max_workers": 2, "head_node_type": "head",
-             "available_node_types": {"head": {"resources": {"CPU": 0}},
-                                      "spot": {"min_workers": 0, "max_workers": 2, "resources": {}}}}
-    with open(tmp_path / "cluster.yaml", "w") as f:
-        yaml.safe_dump(shape, f)
-    twin = LocalCluster(str(tmp_path / "cluster.yaml"), idle_timeout_s=4)
+    twin = _twin(tmp_path)
     try:
         twin.start()
         # One driver holds two nodes up before the first run, through Ray's request_resources (a start from zero
