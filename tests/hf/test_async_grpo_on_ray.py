@@ -46,7 +46,7 @@ def test_one_or_two_actors_a_killed_one_or_none_give_the_same_run(ray_cluster, r
     assert {w for _, _, w, _, _ in one.rollout_timeline} == {"raytrain-rollout-0"}
 
     timed = jobs.Timed()
-    two = jobs.trainer(str(tmp_path / "two"), workers=2, callbacks=[timed])
+    two = jobs.trainer(str(tmp_path / "two"), workers=2, callbacks=[_LongStep(), timed])
     kill = jobs.KillActor(two, step=4)
     two.add_callback(kill)
     names = []
@@ -60,12 +60,23 @@ def test_one_or_two_actors_a_killed_one_or_none_give_the_same_run(ray_cluster, r
     assert {"raytrain-rollout-0", "raytrain-rollout-1"} <= set(names)  # as an operator sees them
     assert {w for _, _, w, _, _ in two.rollout_timeline} == {"raytrain-rollout-0", "raytrain-rollout-1"}
     # max_staleness 1: step n + 1's groups may be generated while step n trains (a synchronous loop asks for them
-    # after step n ends: none overlaps). How much overlaps depends on the machine's load: benchmarks/trl.py measures it
+    # after step n ends: none overlaps). How much overlaps depends on the machine's load: benchmarks/trl.py measures it.
+    # _LongStep makes a step outlast a Ray call's round trip, as a real model's does (the tiny one's takes ~30 ms)
     overlapped = [n for n in range(2, 10)
                   if any(s == n + 1 and start < timed.steps[n][1] and end > timed.steps[n][0]
                          for s, _, _, start, end in two.rollout_timeline)]
     assert overlapped, (timed.steps, two.rollout_timeline)
     assert not [a for a in ray.util.list_named_actors() if a.startswith("raytrain-rollout")]  # released at the end
+
+
+class _LongStep(jobs.TrainerCallback):
+    """Steps 2-9 last 0.2 s at least."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        import time
+
+        if 2 <= state.global_step <= 9:
+            time.sleep(0.2)
 
 
 class _BothUp(jobs.TrainerCallback):

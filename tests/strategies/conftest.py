@@ -1,5 +1,5 @@
 """The TP and pipeline tests' references (one process) and their one shared 4-process gloo launch: both modules
-are in the xdist group "gloo4", so one pytest process launches it once."""
+are in the xdist group "worker_group", so one pytest process launches it once (tests/conftest.py: MULTIPROCESS)."""
 
 from __future__ import annotations
 

@@ -36,8 +36,9 @@ RESUMES = ("pp2xdp2", "pp4", "dp4", "2x2")  # from pp2xdp2's checkpoint-SAVE_AT
 STAGE_LAYERS = {"pp2xdp2": [(0, 1), (0, 1), (2, 3), (2, 3)], "pp4": [(0,), (1,), (2,), (3,)],
                 "interleaved": [(0, 2), (0, 2), (1, 3), (1, 3)]}
 
-# One xdist worker runs this module and test_tp.py, so their shared 4-process launch (gloo4) runs once.
-pytestmark = pytest.mark.xdist_group("gloo4")
+# One xdist worker runs this module and test_tp.py, so their shared 4-process launch (gloo4) runs once, and after
+# or before the session's Ray worker group, never beside it (conftest.py: MULTIPROCESS).
+pytestmark = pytest.mark.xdist_group("worker_group")
 
 
 def tiny_llama(seed: int = 0, tied: bool = False):

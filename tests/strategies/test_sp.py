@@ -39,7 +39,9 @@ RUNS = {
 }
 FRESH = ("z2", "fsdp-sp4", "ddp")  # evaluated, final/ saved, attention shapes recorded
 
-pytestmark = pytest.mark.xdist_group("sp")
+# Its 4-process launch runs in the xdist worker of the other multi-process launches, one after the other
+# (conftest.py: MULTIPROCESS).
+pytestmark = pytest.mark.xdist_group("worker_group")
 
 
 def tiny_llama(seed: int = 0, attn: str = "sdpa"):

@@ -25,8 +25,9 @@ LAYOUTS = {  # name -> (parallelism_config, per-device batch); 4 processes each
 RESUMES = ("2x2", "dp4", "tp4")  # from 2x2's checkpoint-SAVE_AT
 BACK = ("dp4", "tp4", "single")  # 2x2 resumes from these layouts' checkpoint-SAVE_AT
 
-# One xdist worker runs this module and test_pp.py, so their shared 4-process launch (gloo4) runs once.
-pytestmark = pytest.mark.xdist_group("gloo4")
+# One xdist worker runs this module and test_pp.py, so their shared 4-process launch (gloo4) runs once, and after
+# or before the session's Ray worker group, never beside it (conftest.py: MULTIPROCESS).
+pytestmark = pytest.mark.xdist_group("worker_group")
 
 
 def tiny_llama(seed: int = 0):
