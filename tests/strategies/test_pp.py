@@ -129,7 +129,8 @@ def rank_runs(root: str, single: str, runs: list) -> dict:
     out = {}
     for run, layout, resume, extra in runs:
         parallelism, per_device = LAYOUTS[layout]
-        args = lm_args(os.path.join(root, run), parallelism, per_device, workers=world, **extra)
+        saves = {} if run in FRESH or run == "tied-pp2xdp2" else {"save_strategy": "no"}  # no test reads the others'
+        args = lm_args(os.path.join(root, run), parallelism, per_device, workers=world, **saves, **extra)
         if resume is not None:
             resume = os.path.join(single if resume.startswith("single") else root, resume, f"checkpoint-{SAVE_AT}")
         model = tiny_lora() if run.startswith("lora") else tiny_gemma() if run.startswith("gemma") else \

@@ -145,7 +145,7 @@ def _rank(rank: int, root: str, port: int, single: str) -> None:
         json.dump(out, f)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def one_process(tmp_path_factory):
     """The references: one process, the same global batch (its checkpoint-5 resumed under sp2 x dp2)."""
     from raytrain import Trainer
@@ -163,7 +163,7 @@ def one_process(tmp_path_factory):
     return root, out
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def layouts(tmp_path_factory, one_process):
     """The 4 processes fork from a server that imported the libraries once (tests/strategies/_gloo.py)."""
     root = tmp_path_factory.mktemp("sp")
