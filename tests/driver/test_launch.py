@@ -132,15 +132,22 @@ def test_worker_errors_surface_as_the_users_exception():
 
 
 def _free_ports(n: int) -> list[int]:
+    """n ports free now, below the kernel's ephemeral range (32768-60999): no outgoing connection of the other
+    clusters here can take one before the head binds it (a dashboard agent without its port ends the head)."""
+    import random
     import socket
 
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
+    ports: list[int] = []
+    for port in random.sample(range(20000, 32768), 400):
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == n:
+            return ports
+    raise RuntimeError(f"no {n} free ports in 20000-32767")
 
 
 @pytest.fixture
@@ -181,7 +188,7 @@ def ray_head():
                 if time.time() > deadline or head.poll() is not None:
                     pytest.fail(f"ray start --head did not come up (exit code {head.poll()})")
                 time.sleep(1)
-        yield address, env
+        yield address, env, head
     finally:
         import signal as sig
 
@@ -225,7 +232,7 @@ def test_ray_job_submit_end_to_end(ray_head, tmp_path):
     import urllib.error
     import urllib.request
 
-    address, env = ray_head
+    address, env, head = ray_head
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     # Without the token: HTTP 401 from the dashboard, and `ray job submit` (RAY_AUTH_MODE unset) refused.
     with pytest.raises(urllib.error.HTTPError) as answer:
@@ -249,6 +256,8 @@ def test_ray_job_submit_end_to_end(ray_head, tmp_path):
         log = proc.stdout + proc.stderr
         if "No available agent to submit job" not in log and "Failed to connect to Ray at address" not in log:
             break
+        if head.poll() is not None:  # `ray start --block` ends the whole head when one of its processes dies
+            pytest.fail(f"the head cluster exited ({head.poll()}): {log[-2000:]}")
         _wait_for_dashboard(address)
     assert proc.returncode == 0 and "succeeded" in log, log[-3000:]
     lines = log.splitlines()
