@@ -44,7 +44,7 @@ def ray_cluster():
 
 #: MULTIPROCESS: the xdist group "worker_group" also holds the 4-process gloo launches (test_tp/test_pp's gloo4,
 #: test_sp's): one pytest process runs them and the worker group one after the other. Side by side on 2 cores they
-#: cost more than in turn (the worker group's tests beside test_pp/test_tp: 224 s; one after the other: 204 s).
+#: cost more than in turn (the worker group's tests beside test_pp/test_tp: 224 s; one after the other: 204 s; 2-core VM, quiet, 3 Dec).
 #:
 #: The test files whose trainers run in the session's one Ray Train worker group (`worker_group`), in this order:
 #: the parts through loop.train first (they report nothing to Ray), the one that reports a checkpoint to Ray last (a
