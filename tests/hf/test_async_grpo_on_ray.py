@@ -209,7 +209,7 @@ def test_a_two_trial_sweep_sets_each_trial_up_and_reports_its_mean_eval_reward(r
                       eval_dataset=t.eval_dataset, processing_class=t.processing_class)
     space = {"max_staleness": {"choice": [0, 1]}, "learning_rate": {"loguniform": [1e-3, 1e-2]}}
     best = trainer.hyperparameter_search(space, backend="ray", n_trials=2, scheduler="none", seed=4,
-                                         max_concurrent_trials=2, name="async", plots=False)
+                                         max_concurrent_trials=1, name="async", plots=False)
     table = pd.read_csv(tmp_path / "out" / "sweeps" / "async" / "trials.csv", dtype={"trial_id": str})
     assert list(table["status"]) == ["finished", "finished"] and set(table["max_staleness"]) == {0, 1}, table
     assert best.objective == table["objective"].max()

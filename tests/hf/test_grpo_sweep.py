@@ -50,7 +50,7 @@ def test_a_two_trial_sweep_reports_the_mean_reward_of_each_trials_evaluation(ray
     space = {"beta": {"choice": [0.0, 0.04]}, "learning_rate": {"loguniform": [1e-3, 1e-2]},
              "num_generations": {"choice": [2, 4]}}
     best = trainer.hyperparameter_search(space, backend="ray", n_trials=2, scheduler="none", seed=4,
-                                         max_concurrent_trials=2, name="grpo", plots=False)
+                                         max_concurrent_trials=1, name="grpo", plots=False)
     table = pd.read_csv(tmp_path / "out" / "sweeps" / "grpo" / "trials.csv", dtype={"trial_id": str})
     assert len(table) == 2 and list(table["status"]) == ["finished", "finished"], table
     assert set(table["beta"]) == {0.0, 0.04} and set(table["num_generations"]) == {2, 4}  # the sampler's, seed 4

@@ -253,7 +253,7 @@ args = TrainingArguments(output_dir="out", max_steps=10, per_device_train_batch_
 trainer = userlib.LibTrainer(args=args, model_init=userlib.model_init, train_dataset=train, eval_dataset=val,
                              compute_metrics=compute_metrics)
 best = trainer.hyperparameter_search(userlib.hp_space, userlib.objective, n_trials=2, direction="maximize",
-                                     backend="ray", seed=0, max_concurrent_trials=2, name="lib", plots=False)
+                                     backend="ray", seed=0, max_concurrent_trials=1, name="lib", plots=False)
 import transformers.trainer_utils
 print("BEST " + json.dumps({{"run_id": best.run_id, "objective": best.objective, "hp": best.hyperparameters,
                             "hf": isinstance(best, transformers.trainer_utils.BestRun)}}))
