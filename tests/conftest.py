@@ -46,11 +46,12 @@ def ray_cluster():
 #: test_sp's): one pytest process runs them and the worker group one after the other. Side by side on 2 cores they
 #: cost more than in turn (the worker group's tests beside test_pp/test_tp: 224 s; one after the other: 204 s; 2-core VM, quiet, 3 Dec).
 #:
-#: The test files whose trainers run in the session's one Ray Train worker group (`worker_group`), in this order:
-#: the parts through loop.train first (they report nothing to Ray), the one that reports a checkpoint to Ray last (a
-#: later run of the group would start from it). They share the xdist group "worker_group".
+#: The test files whose trainers run in the session's one Ray Train worker group (`worker_group`), in this order
+#: (each part starts without the checkpoints the one before reported: tests/group.py). They share the xdist group
+#: "worker_group".
 WORKER_GROUP = ["strategies/test_backends.py", "hf/test_peft_on_ray.py", "hf/test_trl_on_ray.py", "hf/test_moe_loss.py",
-                "hf/test_seq2seq.py", "hf/test_async_grpo_on_ray.py", "hf/test_grpo_backends_on_ray.py"]
+                "hf/test_seq2seq.py", "hf/test_hf_on_ray.py", "hf/test_async_grpo_on_ray.py",
+                "hf/test_grpo_backends_on_ray.py"]
 
 
 @pytest.fixture(scope="session")

@@ -18,7 +18,30 @@ def run_parts(config: dict) -> dict | None:
             out[name] = getattr(importlib.import_module(module), attr)(part)
         except Exception:  # noqa: BLE001 - the part's tests report it
             out[name] = {"group_error": traceback.format_exc()}
+        _forget_checkpoints()
     return out if int(os.environ.get("RANK", 0)) == 0 else None
+
+
+def _forget_checkpoints() -> None:
+    """The next part starts as a fresh run does: without the checkpoints this one reported to Ray, neither Ray's
+    latest (ray.train.get_checkpoint) nor those in the run's storage (where a restarted worker looks for one that
+    Ray has not registered: raytrain/worker/ray_worker.py)."""
+    import shutil
+
+    import ray.train
+    import torch.distributed as dist
+    from ray.train.v2._internal.execution.context import get_train_context
+
+    context = get_train_context()
+    with context.report_order_condition:
+        context.checkpoint = None
+    dist.barrier()
+    if dist.get_rank() == 0:
+        storage = ray.train.get_context().get_storage().experiment_fs_path
+        for entry in os.listdir(storage):  # Ray's checkpoint_<time> folders, beside its checkpoint_manager_snapshot.json
+            if entry.startswith("checkpoint_") and os.path.isdir(os.path.join(storage, entry)):
+                shutil.rmtree(os.path.join(storage, entry))
+    dist.barrier()
 
 
 def key(path: str) -> str:
