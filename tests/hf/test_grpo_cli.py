@@ -1,4 +1,4 @@
-"""examples/grpo.yaml as users run it (python -m raytrain.run in a subprocess): GRPO's fields pick GRPOConfig and
+"""examples/grpo.yaml as users run it (raytrain.run's main): GRPO's fields pick GRPOConfig and
 GRPOTrainer (RLOO's own fields RLOOConfig and RLOOTrainer), the reward functions named by import string are the
 ones scored, the adapter loads with PEFT; a reward function that does not resolve is one line, exit 2."""
 
@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
@@ -16,13 +14,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 EXAMPLE = os.path.join(ROOT, "examples", "grpo.yaml")
 
 
-def test_the_cli_runs_examples_grpo_yaml_and_its_adapter_loads(tmp_path):
-    """docs/snippets/grpo_cli.sh as shown, shorter (2 steps), in a subprocess."""
+def test_the_cli_runs_examples_grpo_yaml_and_its_adapter_loads(tmp_path, capsys, monkeypatch):
+    """docs/snippets/grpo_cli.sh as shown, shorter (2 steps), through the CLI's main in this process (a subprocess
+    would import torch, transformers and trl again: test_docs.py runs the shell snippets' shape)."""
     import shlex
 
     from peft import PeftModel
 
     from examples.sft import build_model
+    from raytrain.run import main
 
     with open(os.path.join(ROOT, "docs", "snippets", "grpo_cli.sh")) as f:
         (shown,) = [shlex.split(line) for line in f if line.strip() and not line.startswith("#")]
@@ -30,10 +30,11 @@ def test_the_cli_runs_examples_grpo_yaml_and_its_adapter_loads(tmp_path):
     out = tmp_path / "run"
     argv = [*shown[3:], "--set", f"output_dir={out}", "--set", "max_steps=2", "--set", "eval_steps=2",
             "--set", "save_steps=2", "--set", "logging_steps=1", "--set", "data.n_train=16"]
-    done = subprocess.run([sys.executable, "-m", "raytrain.run", *argv], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, "PYTHONPATH": ROOT})
-    assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads(done.stdout.split("summary: ")[-1].splitlines()[0])
+    monkeypatch.chdir(ROOT)
+    code = main(argv)
+    stdout, stderr = capsys.readouterr()
+    assert code == 0, stderr[-3000:]
+    summary = json.loads(stdout.split("summary: ")[-1].splitlines()[0])
     assert summary["global_step"] == 2
     # the final evaluation's mean reward, the sum of the two functions the YAML names
     assert summary["eval_reward"] == pytest.approx(summary["eval_rewards/correct_sum/mean"]
