@@ -156,18 +156,17 @@ def test_two_trainer_workers_with_rollout_actors_match_one_process(worker_group,
 
 
 @pytest.mark.timeout(600)
-def test_the_cli_runs_examples_grpo_async_yaml_on_two_actors(ray_cluster, tmp_path):
-    """docs/snippets/grpo_async_cli.sh as shown, shorter (3 steps), in a subprocess on this cluster: the rollout
-    section makes an AsyncGRPOConfig, the two actors generate, the adapter loads with PEFT."""
+def test_the_cli_runs_examples_grpo_async_yaml_on_two_actors(ray_cluster, tmp_path, capsys, monkeypatch):
+    """docs/snippets/grpo_async_cli.sh as shown, shorter (3 steps), through the CLI's main in this process on this
+    cluster: the rollout section makes an AsyncGRPOConfig, the two actors generate, the adapter loads with PEFT."""
     import json
     import shlex
-    import subprocess
-    import sys
 
     from peft import PeftModel
 
     from examples.sft import build_model
     from raytrain.checkpoint.store import load_pickle
+    from raytrain.run import main
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     with open(os.path.join(root, "docs", "snippets", "grpo_async_cli.sh")) as f:
@@ -177,11 +176,11 @@ def test_the_cli_runs_examples_grpo_async_yaml_on_two_actors(ray_cluster, tmp_pa
     argv = [*shown[3:], "--set", f"output_dir={out}", "--set", "max_steps=3", "--set", "eval_steps=3",
             "--set", "save_steps=3", "--set", "logging_steps=1", "--set", "data.n_train=8", "--set", "data.n_eval=2",
             "--set", "rollout.num_cpus_per_worker=0.5", "--no-report"]
-    env = {**os.environ, "PYTHONPATH": root, "RAY_ADDRESS": ray_cluster.get_runtime_context().gcs_address}
-    done = subprocess.run([sys.executable, "-m", "raytrain.run", *argv], cwd=root, capture_output=True, text=True,
-                          timeout=500, env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
-    summary = json.loads(done.stdout.split("summary: ")[-1].splitlines()[0])
+    monkeypatch.chdir(root)
+    code = main(argv)
+    stdout, stderr = capsys.readouterr()
+    assert code == 0, stderr[-3000:]
+    summary = json.loads(stdout.split("summary: ")[-1].splitlines()[0])
     assert summary["global_step"] == 3 and summary["eval_reward"] == pytest.approx(
         summary["eval_rewards/correct_sum/mean"] + summary["eval_rewards/brevity/mean"], abs=1e-6)
     state = json.loads((out / "checkpoint-3" / "trainer_state.json").read_text())
