@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from raytrain import TrainingArguments, verify_checkpoint
 from raytrain.config.args import SECTIONS
-from raytrain.run import main
+from tests.tiny import run_main
 
 # One xdist worker runs the module, so that its module fixtures (the CLI runs started at once) run once.
 pytestmark = pytest.mark.xdist_group("cli_runs")
@@ -82,16 +82,6 @@ def assert_config_error(proc: subprocess.CompletedProcess, message: str) -> None
 def logged(message: str, output_dir) -> str:
     """An error found once the configuration is valid: its traceback is in OUTPUT_DIR/raytrain.log."""
     return f"{message} (traceback in {os.path.join(str(output_dir), 'raytrain.log')}; --debug prints it)"
-
-
-def run_main(capsys, *argv: str) -> tuple[int, str, str]:
-    """raytrain.run.main in this process: (exit code, stdout, stderr)."""
-    try:
-        code = main(list(argv))
-    except SystemExit as e:  # argparse exits on its own errors and on --help
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 # ---------------------------------------------------------------- configuration errors: exit 2, one line

@@ -101,3 +101,16 @@ def logged(name: str, level: int = logging.INFO):
     finally:
         log.removeHandler(handler)
         log.setLevel(old)
+
+
+def run_main(capsys, *argv: str) -> tuple[int, str, str]:
+    """raytrain.run.main in this process (the CLI without a second import of torch and the rest): (exit code,
+    stdout, stderr)."""
+    from raytrain.run import main
+
+    try:
+        code = main(list(argv))
+    except SystemExit as e:  # argparse exits on its own errors and on --help
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err

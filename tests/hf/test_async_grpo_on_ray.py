@@ -166,7 +166,7 @@ def test_the_cli_runs_examples_grpo_async_yaml_on_two_actors(ray_cluster, tmp_pa
 
     from examples.sft import build_model
     from raytrain.checkpoint.store import load_pickle
-    from raytrain.run import main
+    from tests.tiny import run_main
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     with open(os.path.join(root, "docs", "snippets", "grpo_async_cli.sh")) as f:
@@ -177,8 +177,7 @@ def test_the_cli_runs_examples_grpo_async_yaml_on_two_actors(ray_cluster, tmp_pa
             "--set", "save_steps=3", "--set", "logging_steps=1", "--set", "data.n_train=8", "--set", "data.n_eval=2",
             "--set", "rollout.num_cpus_per_worker=0.5", "--no-report"]
     monkeypatch.chdir(root)
-    code = main(argv)
-    stdout, stderr = capsys.readouterr()
+    code, stdout, stderr = run_main(capsys, *argv)
     assert code == 0, stderr[-3000:]
     summary = json.loads(stdout.split("summary: ")[-1].splitlines()[0])
     assert summary["global_step"] == 3 and summary["eval_reward"] == pytest.approx(

@@ -22,7 +22,7 @@ def test_the_cli_runs_examples_grpo_yaml_and_its_adapter_loads(tmp_path, capsys,
     from peft import PeftModel
 
     from examples.sft import build_model
-    from raytrain.run import main
+    from tests.tiny import run_main
 
     with open(os.path.join(ROOT, "docs", "snippets", "grpo_cli.sh")) as f:
         (shown,) = [shlex.split(line) for line in f if line.strip() and not line.startswith("#")]
@@ -31,8 +31,7 @@ def test_the_cli_runs_examples_grpo_yaml_and_its_adapter_loads(tmp_path, capsys,
     argv = [*shown[3:], "--set", f"output_dir={out}", "--set", "max_steps=2", "--set", "eval_steps=2",
             "--set", "save_steps=2", "--set", "logging_steps=1", "--set", "data.n_train=16"]
     monkeypatch.chdir(ROOT)
-    code = main(argv)
-    stdout, stderr = capsys.readouterr()
+    code, stdout, stderr = run_main(capsys, *argv)
     assert code == 0, stderr[-3000:]
     summary = json.loads(stdout.split("summary: ")[-1].splitlines()[0])
     assert summary["global_step"] == 2

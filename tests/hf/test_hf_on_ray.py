@@ -16,12 +16,6 @@ pytestmark = [pytest.mark.ray, pytest.mark.xdist_group("worker_group")]
 _SHIPPED: dict = {}
 
 
-def _data():
-    tok = corpus.tokenizer()
-    ds = corpus.classification_dataset(64).train_test_split(test_size=0.25, seed=0)
-    return tok, ds.map(lambda b: tok(b["text"], truncation=True, max_length=32), batched=True)
-
-
 def group_part(root):
     """The script's run in the session's worker group (conftest.py), shipped as Trainer.train ships it."""
     from transformers import BertForSequenceClassification, DataCollatorWithPadding
@@ -29,7 +23,9 @@ def group_part(root):
     from raytrain import Trainer, TrainingArguments
     from tests.group import ship
 
-    tok, ds = _data()
+    tok = corpus.tokenizer()
+    ds = corpus.classification_dataset(64).train_test_split(test_size=0.25, seed=0)
+    ds = ds.map(lambda b: tok(b["text"], truncation=True, max_length=32), batched=True)
     torch.manual_seed(0)
     model = BertForSequenceClassification(corpus.bert_config(len(tok)))
 
@@ -42,7 +38,7 @@ def group_part(root):
     trainer = Trainer(model=model, args=args, train_dataset=ds["train"], eval_dataset=ds["test"],
                       data_collator=DataCollatorWithPadding(tok), processing_class=tok,
                       compute_metrics=compute_metrics)
-    _SHIPPED["classification"] = trainer
+    _SHIPPED["classification"] = trainer, tok, ds
     return "tests.group:run_cases", {"cases": {"classification": ship(trainer, "classification")}}
 
 
@@ -54,7 +50,7 @@ def test_hf_classification_script_on_two_ray_workers(worker_group, tmp_path):
     from tests.group import land, part
 
     _, values = part(worker_group, __file__)
-    trainer, (tok, ds) = _SHIPPED["classification"], _data()
+    trainer, tok, ds = _SHIPPED["classification"]
     args, compute_metrics = trainer.args, trainer.compute_metrics
     out = land(trainer, values["classification"])
     assert out.global_step == 4

@@ -221,15 +221,14 @@ def test_the_cli_examples_run_and_their_adapter_loads(tmp_path, config, capsys, 
     from peft import PeftModel
 
     from examples.sft import build_model
-    from raytrain.run import main
+    from tests.tiny import run_main
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     out = tmp_path / "run"
     argv = ["--config", f"examples/{config}.yaml", "--set", f"output_dir={out}", "--set", "max_steps=4",
             "--set", "eval_steps=2", "--set", "save_steps=2", "--set", "logging_steps=2", "--set", "data.n_train=48"]
     monkeypatch.chdir(root)
-    code = main(argv)
-    stdout, stderr = capsys.readouterr()
+    code, stdout, stderr = run_main(capsys, *argv)
     assert code == 0, stderr[-3000:]
     summary = json.loads(stdout.split("summary: ")[-1].splitlines()[0])
     assert summary["global_step"] == 4
